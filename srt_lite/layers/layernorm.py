@@ -1,0 +1,35 @@
+from __future__ import annotations
+
+import torch
+from torch import nn
+
+from srt_lite.model_loader.weight_utils import TensorSource, read_all
+
+
+class RMSNorm(nn.Module):
+    """RMSNorm computed in float32, as Hugging Face does. With `residual`, adds it first and
+    returns (normed, new_residual), which lets a decoder layer keep one residual stream."""
+
+    def __init__(self, hidden_size: int, eps: float = 1e-6):
+        super().__init__()
+        self.eps = eps
+        self.weight = nn.Parameter(torch.ones(hidden_size), requires_grad=False)
+        self.weight.weight_loader = self.weight_loader
+
+    @staticmethod
+    def weight_loader(param: nn.Parameter, src: TensorSource, shard_id=None) -> None:
+        param.data.copy_(read_all(src))
+
+    def _norm(self, x: torch.Tensor) -> torch.Tensor:
+        dtype = x.dtype
+        x32 = x.float()
+        x32 = x32 * torch.rsqrt(x32.pow(2).mean(-1, keepdim=True) + self.eps)
+        return self.weight * x32.to(dtype)
+
+    def forward(
+        self, x: torch.Tensor, residual: torch.Tensor | None = None
+    ) -> torch.Tensor | tuple[torch.Tensor, torch.Tensor]:
+        if residual is None:
+            return self._norm(x)
+        residual = x + residual
+        return self._norm(residual), residual

@@ -1,0 +1,69 @@
+"""Rotary position embedding (the rotate-half / GPT-NeoX layout Hugging Face Llama uses).
+
+Inverse frequencies come from the config's `rope_parameters`: the default formula here, and
+transformers' own initialisers for scaled variants (linear, llama3, yarn, longrope, ...), so
+our frequencies are the reference's by construction.
+"""
+
+from __future__ import annotations
+
+import torch
+from torch import nn
+
+
+def _rope_parameters(hf_config) -> dict:
+    params = getattr(hf_config, "rope_parameters", None)
+    if params is None:  # transformers 4.x style configs
+        params = dict(getattr(hf_config, "rope_scaling", None) or {})
+        params.setdefault("rope_type", params.get("type", "default"))
+        params.setdefault("rope_theta", getattr(hf_config, "rope_theta", 10000.0))
+    return params
+
+
+def compute_inv_freq(hf_config, head_dim: int) -> tuple[torch.Tensor, float]:
+    params = _rope_parameters(hf_config)
+    rope_type = params.get("rope_type", "default")
+    if rope_type == "default":
+        base = params["rope_theta"]
+        partial = params.get("partial_rotary_factor", 1.0)
+        dim = int(head_dim * partial)
+        inv_freq = 1.0 / (base ** (torch.arange(0, dim, 2, dtype=torch.float32) / dim))
+        return inv_freq, 1.0
+    from transformers.modeling_rope_utils import ROPE_INIT_FUNCTIONS
+
+    if rope_type not in ROPE_INIT_FUNCTIONS:
+        raise ValueError(f"unsupported rope_type {rope_type!r}")
+    inv_freq, scaling = ROPE_INIT_FUNCTIONS[rope_type](hf_config, "cpu")
+    return inv_freq.float(), float(scaling)
+
+
+class RotaryEmbedding(nn.Module):
+    def __init__(self, hf_config, head_dim: int, max_position: int):
+        super().__init__()
+        self.head_dim = head_dim
+        inv_freq, scaling = compute_inv_freq(hf_config, head_dim)
+        self.rotary_dim = inv_freq.numel() * 2
+        t = torch.arange(max_position, dtype=torch.float32)
+        freqs = torch.outer(t, inv_freq)  # [max_position, rotary_dim / 2]
+        # Kept in float32; cast to the activation dtype at use, as transformers does.
+        self.register_buffer("cos_cache", freqs.cos() * scaling, persistent=False)
+        self.register_buffer("sin_cache", freqs.sin() * scaling, persistent=False)
+
+    def forward(
+        self, positions: torch.Tensor, q: torch.Tensor, k: torch.Tensor
+    ) -> tuple[torch.Tensor, torch.Tensor]:
+        """q [T, Hq*D], k [T, Hk*D] -> rotated copies of the same shapes."""
+        cos = self.cos_cache[positions].to(q.dtype).unsqueeze(1)  # [T, 1, rot/2]
+        sin = self.sin_cache[positions].to(q.dtype).unsqueeze(1)
+        return self._apply(q, cos, sin), self._apply(k, cos, sin)
+
+    def _apply(self, x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch.Tensor:
+        shape = x.shape
+        x = x.view(shape[0], -1, self.head_dim)
+        rot, rest = x[..., : self.rotary_dim], x[..., self.rotary_dim :]
+        x1, x2 = rot.chunk(2, dim=-1)
+        # Same arithmetic as HF: x*cos + rotate_half(x)*sin with cos/sin duplicated halves.
+        o1 = x1 * cos - x2 * sin
+        o2 = x2 * cos + x1 * sin
+        out = torch.cat((o1, o2, rest), dim=-1) if rest.numel() else torch.cat((o1, o2), dim=-1)
+        return out.view(shape)

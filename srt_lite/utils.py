@@ -1,0 +1,90 @@
+"""Small helpers shared by every process: logging, device and dtype choice."""
+
+from __future__ import annotations
+
+import functools
+import logging
+import os
+import socket
+import sys
+
+import torch
+
+logger = logging.getLogger(__name__)
+
+
+def configure_logging(level: str = "info", prefix: str = "") -> None:
+    """Sets up the root logger once per process, SGLang-style: time, optional process tag."""
+    fmt = f"[%(asctime)s{(' ' + prefix) if prefix else ''}] %(message)s"
+    logging.basicConfig(
+        level=getattr(logging, level.upper()),
+        format=fmt,
+        datefmt="%Y-%m-%d %H:%M:%S",
+        stream=sys.stderr,
+        force=True,
+    )
+
+
+@functools.lru_cache(maxsize=1)
+def cpu_has_fast_bf16() -> bool:
+    """True when the CPU does bf16 matmuls natively (AVX512-BF16 or AMX)."""
+    try:
+        with open("/proc/cpuinfo") as f:
+            for line in f:
+                if line.startswith("flags"):
+                    flags = set(line.split(":", 1)[1].split())
+                    return "avx512_bf16" in flags or "amx_bf16" in flags
+    except OSError:
+        pass
+    return False
+
+
+def resolve_device(device: str | None) -> str:
+    if device in (None, "auto"):
+        return "cuda" if torch.cuda.is_available() else "cpu"
+    return device
+
+
+_DTYPES = {
+    "float32": torch.float32,
+    "fp32": torch.float32,
+    "float": torch.float32,
+    "bfloat16": torch.bfloat16,
+    "bf16": torch.bfloat16,
+    "float16": torch.float16,
+    "fp16": torch.float16,
+    "half": torch.float16,
+}
+
+
+def resolve_dtype(dtype: str, device: str) -> torch.dtype:
+    """`auto` means bf16 on CUDA and on CPUs with BF16 units, fp32 elsewhere."""
+    if dtype == "auto":
+        if device.startswith("cuda") or cpu_has_fast_bf16():
+            return torch.bfloat16
+        return torch.float32
+    if dtype not in _DTYPES:
+        raise ValueError(f"unsupported dtype {dtype!r}; choose auto, float32, bfloat16 or float16")
+    return _DTYPES[dtype]
+
+
+def get_free_port(host: str = "127.0.0.1") -> int:
+    with socket.socket() as s:
+        s.bind((host, 0))
+        return s.getsockname()[1]
+
+
+def cache_root() -> str:
+    """Where converted models live: $SRT_LITE_CACHE, else ~/.cache/srt_lite."""
+    return os.environ.get("SRT_LITE_CACHE") or os.path.join(
+        os.path.expanduser("~"), ".cache", "srt_lite"
+    )
+
+
+def available_memory_bytes(device: str) -> int:
+    if device.startswith("cuda"):
+        free, _total = torch.cuda.mem_get_info()
+        return free
+    import psutil
+
+    return psutil.virtual_memory().available

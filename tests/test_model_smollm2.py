@@ -1,0 +1,117 @@
+"""SmolLM2 (the default model) through our runtime against Hugging Face transformers."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+
+from conftest import chat_ids
+from model_harness import Harness
+from srt_lite.model_config import ModelConfig
+from srt_lite.model_executor.model_runner import ModelRunner
+from srt_lite.server_args import ServerArgs
+
+PROMPTS = [
+    "Hello, my name is",
+    "The quick brown fox jumps over the lazy dog. Then the dog",
+    "def fibonacci(n):\n    ",
+]
+CHATS = [
+    "What is the capital of France?",
+    "Write a haiku about the sea.",
+    "List three primary colors.",
+]
+
+
+@pytest.fixture(scope="module")
+def runner_fp32(default_model_config: ModelConfig) -> ModelRunner:
+    return ModelRunner(default_model_config, ServerArgs(dtype="float32", max_total_tokens=8192))
+
+
+def hf_greedy(hf_model, ids: list[int], steps: int, stop_at_eos: bool = False) -> tuple[list[int], torch.Tensor]:
+    out = hf_model.generate(
+        torch.tensor([ids]),
+        max_new_tokens=steps,
+        min_new_tokens=0 if stop_at_eos else steps,
+        do_sample=False,
+        output_logits=True,
+        return_dict_in_generate=True,
+        pad_token_id=0,
+    )
+    return out.sequences[0, len(ids) :].tolist(), torch.stack(out.logits, 1)[0]
+
+
+def test_batch_prefill_and_decode_match_transformers(runner_fp32, hf_model, tokenizer):
+    prompts = [tokenizer.encode(p) for p in PROMPTS]
+    assert len({len(p) for p in prompts}) == 3, "prompts must differ in length"
+    h = Harness(runner_fp32)
+    out = h.prefill(prompts)
+    off = 0
+    for ids in prompts:
+        with torch.no_grad():
+            ref = hf_model(torch.tensor([ids])).logits[0]
+        mine = out.all_logits[off : off + len(ids)]
+        off += len(ids)
+        assert (mine - ref).abs().max().item() < 1e-3
+        assert torch.equal(mine.argmax(-1), ref.argmax(-1))
+
+    steps = 8
+    refs = [hf_greedy(hf_model, ids, steps + 1) for ids in prompts]
+    logits = out.next_token_logits
+    for step in range(steps):
+        # step 0 compares the prefill's last logits (= HF's first generated-token logits)
+        for b, (toks, ref_logits) in enumerate(refs):
+            assert (logits[b] - ref_logits[step]).abs().max().item() < 1e-3, (b, step)
+            assert logits[b].argmax().item() == toks[step]
+        logits = h.decode([toks[step] for toks, _ in refs])
+
+
+def test_greedy_chat_equals_transformers_generate(runner_fp32, hf_model, tokenizer, default_model_config):
+    prompts = [chat_ids(tokenizer, c) for c in CHATS]
+    h = Harness(runner_fp32)
+    logits = h.prefill(prompts).next_token_logits
+    mine: list[list[int]] = [[] for _ in prompts]
+    for _ in range(32):
+        nxt = logits.argmax(-1).tolist()
+        for b, t in enumerate(nxt):
+            mine[b].append(t)
+        logits = h.decode(nxt)
+    eos = default_model_config.eos_token_ids
+    for b, ids in enumerate(prompts):
+        ref, _ = hf_greedy(hf_model, ids, 32, stop_at_eos=True)
+        # transformers stops at EOS; compare up to and including it.
+        cut = next((i + 1 for i, t in enumerate(mine[b]) if t in eos), len(mine[b]))
+        assert mine[b][:cut] == ref, (CHATS[b], tokenizer.decode(mine[b]), tokenizer.decode(ref))
+
+
+def test_capital_of_france_in_default_dtype(default_model_config, tokenizer):
+    runner = ModelRunner(default_model_config, ServerArgs(max_total_tokens=1024))
+    ids = chat_ids(tokenizer, "What is the capital of France?")
+    h = Harness(runner)
+    logits = h.prefill([ids]).next_token_logits
+    out = []
+    for _ in range(20):
+        t = int(logits.argmax(-1))
+        if t in default_model_config.eos_token_ids:
+            break
+        out.append(t)
+        logits = h.decode([t])
+    assert "Paris" in tokenizer.decode(out)
+
+
+def test_cached_prefix_plus_extend_equals_from_scratch(runner_fp32, tokenizer):
+    ids = tokenizer.encode("In a hole in the ground there lived a hobbit. Not a nasty, dirty, wet hole")
+    split = 9
+    h = Harness(runner_fp32)
+    full = h.prefill([ids]).all_logits
+    # A second request reuses the first `split` KV slots of the first one (as the radix cache
+    # does) and computes only the rest, in one batch with a fresh unrelated prompt.
+    pool = runner_fp32.req_to_token_pool
+    row = pool.alloc()
+    pool.req_to_token[row, :split] = pool.req_to_token[h.rows[0], :split]
+    other = tokenizer.encode("Unrelated text in the same batch")
+    other_row = pool.alloc()
+    out = h.extend([row, other_row], [split, 0], [ids[split:], other])
+    tail = out.all_logits[: len(ids) - split]
+    assert (tail - full[split:]).abs().max().item() < 1e-4
+    assert torch.equal(tail.argmax(-1), full[split:].argmax(-1))
