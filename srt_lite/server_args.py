@@ -157,3 +157,31 @@ def prepare_server_args(argv: list[str] | None = None) -> ServerArgs:
         return ServerArgs.from_cli_args(args)
     except ValueError as e:
         parser.exit(2, f"error: {e}\n")
+
+
+@dataclass
+class PortArgs:
+    """IPC endpoints of one server, all inside a private (0700) temp dir."""
+
+    ipc_dir: str
+    scheduler_input: str  # TokenizerManager -> Scheduler rank 0
+    detokenizer_input: str  # Scheduler rank 0 -> Detokenizer
+    tokenizer_input: str  # Detokenizer and Scheduler -> TokenizerManager
+    dist_port: int | None = None  # torch.distributed rendezvous for tp_size > 1
+
+    @classmethod
+    def create(cls, tp_size: int = 1) -> "PortArgs":
+        import os
+        import tempfile
+
+        from srt_lite.utils import get_free_port
+
+        d = tempfile.mkdtemp(prefix="srt_lite-")
+        os.chmod(d, 0o700)
+        return cls(
+            ipc_dir=d,
+            scheduler_input=os.path.join(d, "scheduler"),
+            detokenizer_input=os.path.join(d, "detokenizer"),
+            tokenizer_input=os.path.join(d, "tokenizer"),
+            dist_port=get_free_port() if tp_size > 1 else None,
+        )

@@ -88,3 +88,40 @@ def available_memory_bytes(device: str) -> int:
     import psutil
 
     return psutil.virtual_memory().available
+
+
+def zmq_socket(ctx, kind: int, path: str, bind: bool):
+    """A ZMQ socket on an ipc:// path; PUSH sockets never block the sender forever on exit."""
+    import zmq
+
+    sock = ctx.socket(kind)
+    sock.setsockopt(zmq.LINGER, 0)
+    if kind == zmq.PULL:
+        sock.setsockopt(zmq.RCVHWM, 0)
+    if kind == zmq.PUSH:
+        sock.setsockopt(zmq.SNDHWM, 0)
+    endpoint = f"ipc://{path}"
+    sock.bind(endpoint) if bind else sock.connect(endpoint)
+    return sock
+
+
+def die_with_parent() -> None:
+    """Linux: this process gets SIGKILL when its parent dies, so no child is ever orphaned."""
+    try:
+        import ctypes
+        import signal
+
+        libc = ctypes.CDLL("libc.so.6", use_errno=True)
+        PR_SET_PDEATHSIG = 1
+        libc.prctl(PR_SET_PDEATHSIG, signal.SIGKILL)
+    except (OSError, AttributeError):
+        pass
+
+
+def set_process_title(title: str) -> None:
+    try:
+        import setproctitle
+
+        setproctitle.setproctitle(title)
+    except ImportError:
+        pass

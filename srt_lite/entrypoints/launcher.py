@@ -1,0 +1,114 @@
+"""Starting, watching and stopping the scheduler rank(s) and the detokenizer."""
+
+from __future__ import annotations
+
+import dataclasses
+import logging
+import multiprocessing as mp
+import os
+import shutil
+import threading
+from multiprocessing.connection import wait
+from typing import Callable
+
+from srt_lite.managers.detokenizer_manager import run_detokenizer_process
+from srt_lite.managers.io_struct import SchedulerReady
+from srt_lite.managers.scheduler import run_scheduler_process
+from srt_lite.model_loader.default_model import resolve_model_path
+from srt_lite.server_args import PortArgs, ServerArgs
+
+logger = logging.getLogger(__name__)
+
+
+class Subprocesses:
+    def __init__(self, port_args: PortArgs):
+        self.port_args = port_args
+        self.procs: list[tuple[str, mp.Process]] = []
+        self.stopping = False
+        self._watchdog: threading.Thread | None = None
+
+    def start(self, name: str, target, args: tuple) -> mp.connection.Connection:
+        reader, writer = mp.get_context("spawn").Pipe(duplex=False)
+        proc = mp.get_context("spawn").Process(target=target, args=(*args, writer), name=name, daemon=True)
+        proc.start()
+        writer.close()
+        self.procs.append((name, proc))
+        return reader
+
+    def wait_ready(self, readers: list[tuple[str, mp.connection.Connection]]) -> list[dict]:
+        """Blocks until each child says ready; raises with the child's error otherwise."""
+        infos = []
+        for name, reader in readers:
+            proc = dict(self.procs)[name]
+            while not reader.poll(0.2):
+                if not proc.is_alive():
+                    raise RuntimeError(f"{name} exited with code {proc.exitcode} during start-up (see its log above)")
+            try:
+                status, payload = reader.recv()
+            except EOFError:
+                raise RuntimeError(f"{name} exited during start-up (see its log above)") from None
+            if status != "ready":
+                raise RuntimeError(f"{name} failed to start: {payload}")
+            infos.append(payload)
+        return infos
+
+    def watch(self, on_death: Callable[[str, int | None], None]) -> None:
+        """Calls on_death(name, exitcode) from a thread if a child dies while we are running."""
+
+        def run() -> None:
+            sentinels = {p.sentinel: (name, p) for name, p in self.procs}
+            ready = wait(list(sentinels))
+            if self.stopping:
+                return
+            name, proc = sentinels[ready[0]]
+            proc.join(0.1)
+            on_death(name, proc.exitcode)
+
+        self._watchdog = threading.Thread(target=run, name="srt_lite-watchdog", daemon=True)
+        self._watchdog.start()
+
+    def shutdown(self, timeout: float = 5.0) -> None:
+        self.stopping = True
+        for _, p in self.procs:
+            if p.is_alive():
+                p.terminate()
+        for _, p in self.procs:
+            p.join(timeout)
+            if p.is_alive():
+                p.kill()
+                p.join(1)
+        shutil.rmtree(self.port_args.ipc_dir, ignore_errors=True)
+
+
+@dataclasses.dataclass
+class LaunchResult:
+    procs: Subprocesses
+    port_args: PortArgs
+    model_dir: str
+    info: SchedulerReady
+
+
+def launch_subprocesses(server_args: ServerArgs) -> LaunchResult:
+    """Converts the model if needed (once, here, so children never race on it), then starts
+    the scheduler rank(s) and the detokenizer and waits until every one is ready."""
+    model_dir = resolve_model_path(server_args.model_path)
+    child_args = dataclasses.replace(server_args, model_path=model_dir)
+    port_args = PortArgs.create(server_args.tp_size)
+    procs = Subprocesses(port_args)
+    try:
+        readers = []
+        for rank in range(server_args.tp_size):
+            name = f"scheduler_TP{rank}"
+            readers.append((name, procs.start(name, run_scheduler_process, (child_args, port_args, rank))))
+        readers.append(("detokenizer", procs.start("detokenizer", run_detokenizer_process, (child_args, port_args, model_dir))))
+        infos = procs.wait_ready(readers)
+    except BaseException:
+        procs.shutdown()
+        raise
+    info = SchedulerReady(**infos[0])
+    logger.info(
+        "Ready: %s, KV capacity %d tokens, context length %d, %s on %s",
+        os.path.basename(model_dir.rstrip("/")), info.max_total_num_tokens, info.max_context_len,
+        info.dtype, info.device,
+    )
+    return LaunchResult(procs, port_args, model_dir, info)

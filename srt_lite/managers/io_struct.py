@@ -1,0 +1,129 @@
+"""Every message that crosses a process boundary, as small typed dataclasses.
+
+Wire format: orjson of `[type_tag, fields]`; decoding looks the tag up in a fixed registry of
+these classes and calls the constructor with the fields. Nothing is ever unpickled, so a
+message can only ever become one of the types below.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, field, fields
+from typing import Any
+
+import orjson
+
+
+@dataclass
+class TokenizedGenerateReqInput:
+    """TokenizerManager -> Scheduler: one request, already tokenized."""
+
+    rid: str
+    input_ids: list[int]
+    sampling_params: dict[str, Any]  # SamplingParams fields, verified by the sender
+    stream: bool = False
+
+
+@dataclass
+class AbortReq:
+    rid: str  # "" aborts every request
+
+
+@dataclass
+class FlushCacheReq:
+    pass
+
+
+@dataclass
+class FlushCacheReqOutput:
+    success: bool
+    message: str = ""
+
+
+@dataclass
+class GetLoadReq:
+    """Asks the scheduler for its queue and memory state (health checks, tests)."""
+
+    pass
+
+
+@dataclass
+class GetLoadReqOutput:
+    num_running_reqs: int
+    num_waiting_reqs: int
+    kv_used_tokens: int  # held by requests (running or retracted-in-progress)
+    kv_cached_tokens: int  # held only by the radix cache (evictable)
+    kv_free_tokens: int
+    kv_capacity: int
+    invariant_ok: bool  # free + cached + in use == capacity, and the tree checks out
+
+
+@dataclass
+class BatchTokenIDOut:
+    """Scheduler -> Detokenizer: new token ids of every request that advanced this step."""
+
+    rids: list[str]
+    new_ids: list[list[int]]  # ids generated since the previous message for that rid
+    finished_reasons: list[dict | None]  # {"type": "stop"|"length"|"abort", "matched": ..., "message"?}
+    prompt_tokens: list[int]
+    completion_tokens: list[int]
+    cached_tokens: list[int]
+    # Detokenization settings, repeated per message so the detokenizer keeps no set-up state.
+    skip_special_tokens: list[bool]
+    spaces_between_special_tokens: list[bool]
+    stops: list[list[str]]
+    no_stop_trim: list[bool]
+
+
+@dataclass
+class BatchStrOut:
+    """Detokenizer -> TokenizerManager: text deltas, safe to show (stop strings held back)."""
+
+    rids: list[str]
+    texts: list[str]  # new text since the previous message for that rid
+    new_ids: list[list[int]]
+    finished_reasons: list[dict | None]
+    prompt_tokens: list[int]
+    completion_tokens: list[int]
+    cached_tokens: list[int]
+
+
+@dataclass
+class SchedulerReady:
+    """Sent once over the start-up pipe by each scheduler rank (not over ZMQ)."""
+
+    tp_rank: int
+    max_total_num_tokens: int
+    max_context_len: int
+    max_running_requests: int
+    vocab_size: int
+    device: str
+    dtype: str
+
+
+_REGISTRY: dict[str, type] = {
+    cls.__name__: cls
+    for cls in (
+        TokenizedGenerateReqInput,
+        AbortReq,
+        FlushCacheReq,
+        FlushCacheReqOutput,
+        GetLoadReq,
+        GetLoadReqOutput,
+        BatchTokenIDOut,
+        BatchStrOut,
+        SchedulerReady,
+    )
+}
+
+
+def encode(obj: Any) -> bytes:
+    return orjson.dumps([type(obj).__name__, obj])
+
+
+def decode(data: bytes) -> Any:
+    tag, payload = orjson.loads(data)
+    cls = _REGISTRY.get(tag)
+    if cls is None or not isinstance(payload, dict):
+        raise ValueError(f"unknown message type {tag!r}")
+    names = {f.name for f in fields(cls)}
+    return cls(**{k: v for k, v in payload.items() if k in names})

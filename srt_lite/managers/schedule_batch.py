@@ -1,0 +1,90 @@
+"""Req (one request's scheduling state) and ScheduleBatch (the requests of one forward step).
+
+Token bookkeeping of a request:
+    fill_ids = origin_input_ids + output_ids       every token it has, prompt first
+    kv_len   = tokens of fill_ids whose KV is in the pool (prefix hit + computed so far)
+    req_to_token[req_pool_idx, :kv_len]  their KV slots
+A prefill step computes fill_ids[kv_len : kv_len + extend_len]; a decode step computes the
+last output token. Only a step that reaches the end of fill_ids produces a new token.
+"""
+
+from __future__ import annotations
+
+import time
+from dataclasses import dataclass, field
+from typing import TYPE_CHECKING, Any
+
+import torch
+
+from srt_lite.model_executor.forward_batch import ForwardBatch
+from srt_lite.sampling.sampling_params import SamplingParams
+
+if TYPE_CHECKING:
+    from srt_lite.mem_cache.radix_cache import TreeNode
+
+
+@dataclass
+class Req:
+    rid: str
+    origin_input_ids: list[int]
+    sampling_params: SamplingParams
+    stream: bool = False
+    output_ids: list[int] = field(default_factory=list)
+    # KV state
+    req_pool_idx: int | None = None
+    kv_len: int = 0
+    prefix_len: int = 0  # tokens matched in the radix cache at (re)admission
+    cached_tokens: int = 0  # radix hits counted for the client (first admission only)
+    last_node: "TreeNode | None" = None  # locked radix node covering the cached part
+    # this step's extend
+    extend_len: int = 0
+    # lifecycle
+    finished_reason: dict[str, Any] | None = None
+    to_abort: bool = False
+    sent_len: int = 0  # output ids already sent to the detokenizer
+    arrival_time: float = field(default_factory=time.monotonic)
+    retracted: int = 0
+
+    @property
+    def fill_ids(self) -> list[int]:
+        return self.origin_input_ids + self.output_ids
+
+    @property
+    def seq_len(self) -> int:
+        return len(self.origin_input_ids) + len(self.output_ids)
+
+    @property
+    def finished(self) -> bool:
+        return self.finished_reason is not None
+
+    def finish(self, kind: str, matched: Any = None, message: str | None = None) -> None:
+        if self.finished_reason is None:
+            self.finished_reason = {"type": kind, "matched": matched}
+            if message:
+                self.finished_reason["message"] = message
+
+
+@dataclass
+class ScheduleBatch:
+    reqs: list[Req]
+    is_prefill: bool
+
+    def is_empty(self) -> bool:
+        return not self.reqs
+
+    def to_forward_batch(self, out_cache_loc: torch.Tensor, device: str) -> ForwardBatch:
+        """Tokens to compute: each request's extend_len tokens after its kv_len."""
+        input_ids: list[int] = []
+        if self.is_prefill:
+            for r in self.reqs:
+                input_ids.extend(r.fill_ids[r.kv_len : r.kv_len + r.extend_len])
+        else:
+            input_ids = [r.output_ids[-1] for r in self.reqs]
+        return ForwardBatch.create(
+            input_ids=input_ids,
+            req_pool_indices=[r.req_pool_idx for r in self.reqs],
+            prefix_lens=[r.kv_len for r in self.reqs],
+            extend_lens=[r.extend_len for r in self.reqs],
+            out_cache_loc=out_cache_loc,
+            device=device,
+        )

@@ -1,0 +1,62 @@
+"""Which waiting requests join the next prefill batch, and how much of each.
+
+Order: `fcfs` keeps arrival order; `lpm` (longest prefix match) puts requests that share the
+most cached tokens first, so a shared prefix is reused while it is still in the cache.
+Budget: new tokens are capped per batch (max_prefill_tokens) and per step (chunked prefill:
+a prompt longer than the budget is split, one chunked request at a time), and a request is
+admitted only if the KV it needs now plus a reserve for future decode tokens is available.
+"""
+
+from __future__ import annotations
+
+from typing import Callable
+
+from srt_lite.managers.schedule_batch import Req
+
+# Requests beyond this queue length are not prefix-matched for ordering (too costly).
+LPM_MAX_QUEUE = 128
+
+
+def order_waiting_queue(queue: list[Req], policy: str, match_len: Callable[[Req], int]) -> None:
+    if policy == "lpm" and 1 < len(queue) <= LPM_MAX_QUEUE:
+        lens = {id(r): match_len(r) for r in queue}
+        queue.sort(key=lambda r: -lens[id(r)])  # stable: ties keep arrival order
+    # fcfs (and retracted requests, which are put back at the front) keep queue order.
+
+
+class PrefillAdder:
+    """Collects one prefill batch. KV availability is read fresh at every step because
+    admitting a request locks its cached prefix, which is then no longer evictable."""
+
+    def __init__(self, decode_reserve: int, max_prefill_tokens: int, chunk_size: int):
+        self.reserved = decode_reserve  # future decode tokens of running requests
+        self.rem_input = max_prefill_tokens
+        self.rem_chunk = chunk_size
+        self.can_run: list[Req] = []
+        self.chunked_req: Req | None = None
+        self.new_tokens = 0
+
+    def budget_left(self) -> bool:
+        return self.rem_input > 0 and self.rem_chunk > 0 and self.chunked_req is None
+
+    def try_add(self, req: Req, available: int, decode_reserve: int) -> bool:
+        """req is admitted (kv_len = its cached prefix); decides its extend_len.
+        `available`: KV slots obtainable now; `decode_reserve`: what req will need later."""
+        remaining = req.seq_len - req.kv_len
+        take = min(remaining, self.rem_chunk, self.rem_input)
+        full = take == remaining
+        need = take + (decode_reserve if full else 0)
+        if available - self.reserved - self.new_tokens < need:
+            return False
+        if not full and self.can_run and take < 64:
+            # A sliver of a prompt is not worth a chunk; it starts the next batch instead.
+            return False
+        req.extend_len = take
+        self.can_run.append(req)
+        self.reserved += decode_reserve if full else 0
+        self.rem_input -= take
+        self.rem_chunk -= take
+        self.new_tokens += take
+        if not full:
+            self.chunked_req = req
+        return True

@@ -1,0 +1,416 @@
+"""The Scheduler process: continuous batching over the radix cache, one forward per step.
+
+    loop:
+        recv messages (blocking only when idle) -> new requests, aborts, flush, load queries
+        batch = a new prefill batch if the waiting queue allows one, else decode of the
+                running requests (retracting some if KV runs out)
+        tokens = forward + sample
+        append tokens, check finish, cache or free KV, send new ids to the detokenizer
+"""
+
+from __future__ import annotations
+
+import logging
+import signal
+import time
+import traceback
+from typing import Any
+
+import torch
+import zmq
+
+from srt_lite.managers import io_struct
+from srt_lite.managers.io_struct import (
+    AbortReq,
+    BatchTokenIDOut,
+    FlushCacheReq,
+    FlushCacheReqOutput,
+    GetLoadReq,
+    GetLoadReqOutput,
+    SchedulerReady,
+    TokenizedGenerateReqInput,
+)
+from srt_lite.managers.schedule_batch import Req, ScheduleBatch
+from srt_lite.managers.schedule_policy import PrefillAdder, order_waiting_queue
+from srt_lite.managers.tp_worker import TpModelWorker
+from srt_lite.mem_cache.req_kv import ReqKVManager
+from srt_lite.model_config import ModelConfig
+from srt_lite.parser.stop_strings import find_stop
+from srt_lite.sampling.sampling_params import SamplingParams
+from srt_lite.server_args import PortArgs, ServerArgs
+from srt_lite.utils import configure_logging, die_with_parent, set_process_title, zmq_socket
+
+logger = logging.getLogger(__name__)
+
+# Decode-token reserve for admission: each running request is expected to need
+# new_token_ratio * (its remaining max_new_tokens, clipped) more slots. The ratio decays while
+# memory is fine and jumps back after a retraction (SGLang's scheme).
+INIT_NEW_TOKEN_RATIO = 0.7
+MIN_NEW_TOKEN_RATIO = 0.1
+NEW_TOKEN_RATIO_DECAY = 0.001
+RESERVE_CLIP = 4096
+
+
+class Scheduler:
+    def __init__(self, server_args: ServerArgs, port_args: PortArgs, tp_rank: int = 0):
+        self.server_args = server_args
+        self.tp_rank = tp_rank
+        self.model_config = ModelConfig.load(server_args.model_path, server_args.context_length)
+        self.worker = TpModelWorker(self.model_config, server_args)
+        runner = self.worker.model_runner
+        self.device = runner.device
+        self.kv = ReqKVManager(runner.req_to_token_pool, runner.token_to_kv_pool, server_args.disable_radix_cache)
+        self.capacity = runner.max_total_num_tokens
+        self.context_len = self.model_config.context_len
+        self.max_running = min(server_args.max_running_requests, runner.req_to_token_pool.size)
+        self.eos_ids = set(self.model_config.eos_token_ids)
+        from transformers import AutoTokenizer
+
+        # Only for stop strings: the scheduler must see them complete to stop generating.
+        self.tokenizer = AutoTokenizer.from_pretrained(self.model_config.path)
+
+        self.waiting: list[Req] = []
+        self.running: list[Req] = []
+        self.chunked_req: Req | None = None
+        self.new_token_ratio = INIT_NEW_TOKEN_RATIO
+        self.decode_steps = 0
+        self.decode_tokens_since_log = 0
+        self.last_decode_log = time.monotonic()
+
+        ctx = zmq.Context(2)
+        self.recv_from_tokenizer = zmq_socket(ctx, zmq.PULL, port_args.scheduler_input, bind=True)
+        self.send_to_detokenizer = zmq_socket(ctx, zmq.PUSH, port_args.detokenizer_input, bind=False)
+        self.send_to_tokenizer = zmq_socket(ctx, zmq.PUSH, port_args.tokenizer_input, bind=False)
+        self.poller = zmq.Poller()
+        self.poller.register(self.recv_from_tokenizer, zmq.POLLIN)
+
+    def ready_info(self) -> SchedulerReady:
+        runner = self.worker.model_runner
+        return SchedulerReady(
+            tp_rank=self.tp_rank,
+            max_total_num_tokens=self.capacity,
+            max_context_len=self.context_len,
+            max_running_requests=self.max_running,
+            vocab_size=self.model_config.vocab_size,
+            device=runner.device,
+            dtype=str(runner.dtype).removeprefix("torch."),
+        )
+
+    # ---- loop --------------------------------------------------------------------------
+
+    def event_loop(self) -> None:
+        while True:
+            for msg in self.recv_requests():
+                self.process_message(msg)
+            batch = self.get_next_batch()
+            if batch is None:
+                self.new_token_ratio = INIT_NEW_TOKEN_RATIO
+                continue
+            self.run_batch(batch)
+
+    def busy(self) -> bool:
+        return bool(self.waiting or self.running or self.chunked_req)
+
+    def recv_requests(self) -> list[Any]:
+        if not self.busy():
+            self.poller.poll(timeout=1000)  # sleep until a message arrives
+        msgs = []
+        while True:
+            try:
+                data = self.recv_from_tokenizer.recv(zmq.NOBLOCK)
+            except zmq.Again:
+                return msgs
+            try:
+                msgs.append(io_struct.decode(data))
+            except ValueError:
+                logger.warning("dropped a malformed message")
+
+    def process_message(self, msg: Any) -> None:
+        if isinstance(msg, TokenizedGenerateReqInput):
+            self.add_request(msg)
+        elif isinstance(msg, AbortReq):
+            self.abort(msg.rid)
+        elif isinstance(msg, FlushCacheReq):
+            ok = not self.busy() and self.kv.flush()
+            text = "" if ok else "cannot flush the cache while requests are running"
+            self.send_to_tokenizer.send(io_struct.encode(FlushCacheReqOutput(ok, text)))
+        elif isinstance(msg, GetLoadReq):
+            self.send_to_tokenizer.send(io_struct.encode(self.get_load()))
+
+    # ---- requests in and out -------------------------------------------------------------
+
+    def add_request(self, msg: TokenizedGenerateReqInput) -> None:
+        try:
+            params = SamplingParams.from_dict(msg.sampling_params)
+            params.verify(self.model_config.vocab_size)
+        except (TypeError, ValueError) as e:
+            params = SamplingParams(max_new_tokens=0)
+            req = Req(msg.rid, list(msg.input_ids), params, msg.stream)
+            return self.reject(req, f"invalid sampling parameters: {e}")
+        req = Req(msg.rid, list(msg.input_ids), params, msg.stream)
+        n = len(req.origin_input_ids)
+        if n == 0:
+            return self.reject(req, "the prompt is empty")
+        if n >= self.context_len:
+            return self.reject(
+                req, f"the prompt has {n} tokens, more than the context length minus one ({self.context_len - 1})"
+            )
+        if n + 1 > self.capacity:
+            return self.reject(req, f"the prompt has {n} tokens, more than the KV cache holds ({self.capacity})")
+        if any(t < 0 or t >= self.model_config.vocab_size for t in req.origin_input_ids):
+            return self.reject(req, "input_ids contain a token id outside the vocabulary")
+        self.waiting.append(req)
+
+    def reject(self, req: Req, message: str) -> None:
+        logger.info("Rejected request %s: %s", req.rid, message)
+        req.finish("abort", message=message)
+        self.send_outputs([req])
+
+    def abort(self, rid: str) -> None:
+        for req in [r for r in self.waiting if rid in ("", r.rid)]:
+            self.waiting.remove(req)
+            self.kv.release(req)  # a retracted request may still hold nothing; no-op then
+            req.finish("abort")
+            self.send_outputs([req])
+        for req in self.running + ([self.chunked_req] if self.chunked_req else []):
+            if rid in ("", req.rid):
+                req.to_abort = True
+
+    def process_aborts(self) -> None:
+        """Ends running requests marked by abort(), between steps (never mid-forward)."""
+        aborted = [r for r in self.running if r.to_abort]
+        if self.chunked_req is not None and self.chunked_req.to_abort:
+            aborted.append(self.chunked_req)
+            self.chunked_req = None
+        for req in aborted:
+            if req in self.running:
+                self.running.remove(req)
+            self.kv.release(req)
+            req.finish("abort")
+        if aborted:
+            self.send_outputs(aborted)
+
+    def send_outputs(self, reqs: list[Req]) -> None:
+        out = BatchTokenIDOut([], [], [], [], [], [], [], [], [], [])
+        for r in reqs:
+            if not (r.finished or r.stream):
+                continue  # non-streaming requests are sent once, when they finish
+            p = r.sampling_params
+            out.rids.append(r.rid)
+            out.new_ids.append(r.output_ids[r.sent_len :])
+            r.sent_len = len(r.output_ids)
+            out.finished_reasons.append(r.finished_reason)
+            out.prompt_tokens.append(len(r.origin_input_ids))
+            out.completion_tokens.append(len(r.output_ids))
+            out.cached_tokens.append(r.cached_tokens)
+            out.skip_special_tokens.append(p.skip_special_tokens)
+            out.spaces_between_special_tokens.append(p.spaces_between_special_tokens)
+            out.stops.append(p.stop or [])
+            out.no_stop_trim.append(p.no_stop_trim)
+        if out.rids:
+            self.send_to_detokenizer.send(io_struct.encode(out))
+
+    # ---- batch selection -----------------------------------------------------------------
+
+    def get_next_batch(self) -> tuple[ScheduleBatch, torch.Tensor] | None:
+        self.process_aborts()
+        batch = self.get_new_prefill_batch()
+        if batch is not None:
+            return batch
+        if self.running:
+            return self.prepare_decode()
+        return None
+
+    def decode_reserve(self, req: Req) -> int:
+        left = req.sampling_params.max_new_tokens - len(req.output_ids)
+        return int(min(max(left, 0), RESERVE_CLIP) * self.new_token_ratio)
+
+    def get_new_prefill_batch(self) -> tuple[ScheduleBatch, torch.Tensor] | None:
+        if not self.waiting and self.chunked_req is None:
+            return None
+        if len(self.running) >= self.max_running and self.chunked_req is None:
+            return None
+        args = self.server_args
+        chunk = args.chunked_prefill_size if args.chunked_prefill_size > 0 else 1 << 62
+        adder = PrefillAdder(sum(self.decode_reserve(r) for r in self.running), args.max_prefill_tokens, chunk)
+        if self.chunked_req is not None:
+            req, self.chunked_req = self.chunked_req, None
+            if not adder.try_add(req, self.kv.available(), self.decode_reserve(req)):
+                self.chunked_req = req  # no room for the next chunk yet; decode first
+                return None
+        order_waiting_queue(self.waiting, args.schedule_policy, self.kv.match_len)
+        for req in list(self.waiting):
+            if len(self.running) + len(adder.can_run) >= self.max_running or not adder.budget_left():
+                break
+            if not self.kv.admit(req):
+                break
+            if not adder.try_add(req, self.kv.available(), self.decode_reserve(req)):
+                self.kv.release(req)
+                break
+            if req.retracted == 0 and not req.output_ids:
+                req.cached_tokens = req.prefix_len
+            self.waiting.remove(req)
+        if not adder.can_run:
+            return None
+        self.chunked_req = adder.chunked_req
+        batch = ScheduleBatch(adder.can_run, is_prefill=True)
+        out_cache_loc = self.kv.alloc(adder.new_tokens)
+        assert out_cache_loc is not None, "admission checked KV availability"
+        off = 0
+        for r in batch.reqs:
+            self.kv.write(r, r.kv_len, out_cache_loc[off : off + r.extend_len])
+            off += r.extend_len
+        self.log_prefill(batch, adder.new_tokens)
+        return batch, out_cache_loc
+
+    def prepare_decode(self) -> tuple[ScheduleBatch, torch.Tensor]:
+        if self.kv.available() < len(self.running):
+            self.retract()
+        else:
+            self.new_token_ratio = max(self.new_token_ratio - NEW_TOKEN_RATIO_DECAY, MIN_NEW_TOKEN_RATIO)
+        out_cache_loc = self.kv.alloc(len(self.running))
+        assert out_cache_loc is not None
+        for r, slot in zip(self.running, out_cache_loc):
+            r.extend_len = 1
+            self.kv.write(r, r.kv_len, slot.view(1))
+        return ScheduleBatch(list(self.running), is_prefill=False), out_cache_loc
+
+    def retract(self) -> None:
+        """Frees KV by sending requests back to the waiting queue, fewest generated tokens
+        first; they keep their output and resume from (mostly cached) prefill later."""
+        order = sorted(self.running, key=lambda r: (len(r.output_ids), -len(r.origin_input_ids)))
+        retracted = []
+        while self.kv.available() < len(self.running) and len(self.running) > 1:
+            req = order.pop(0)
+            self.running.remove(req)
+            self.kv.release(req)
+            req.retracted += 1
+            retracted.append(req)
+        # Retracted requests go first when memory allows again, oldest first.
+        self.waiting[:0] = sorted(retracted, key=lambda r: r.arrival_time)
+        total = sum(r.sampling_params.max_new_tokens - len(r.output_ids) for r in self.running) or 1
+        self.new_token_ratio = min(1.0, (self.capacity - self.kv.available() + 0.0) / total + 0.1)
+        logger.info("KV cache full: retracted %d request(s), #running-req: %d", len(retracted), len(self.running))
+
+    # ---- running a batch ---------------------------------------------------------------
+
+    def run_batch(self, item: tuple[ScheduleBatch, torch.Tensor]) -> None:
+        batch, out_cache_loc = item
+        tokens = self.worker.forward_batch_generation(batch, out_cache_loc)
+        if batch.is_prefill:
+            self.process_prefill_result(batch, tokens)
+        else:
+            self.process_decode_result(batch, tokens)
+
+    def process_prefill_result(self, batch: ScheduleBatch, tokens: list[int]) -> None:
+        done = []
+        for req, tok in zip(batch.reqs, tokens):
+            req.kv_len += req.extend_len
+            if req.kv_len < req.seq_len:  # a chunk that did not reach the end of the prompt
+                self.kv.cache_unfinished(req)
+                continue
+            req.output_ids.append(tok)
+            self.check_finish(req)
+            if req.to_abort:
+                req.finish("abort")
+            if req.finished:
+                self.kv.release(req)
+            else:
+                self.kv.cache_unfinished(req)
+                self.running.append(req)
+            done.append(req)
+        self.send_outputs(done)
+
+    def process_decode_result(self, batch: ScheduleBatch, tokens: list[int]) -> None:
+        for req, tok in zip(batch.reqs, tokens):
+            req.kv_len += 1
+            req.output_ids.append(tok)
+            self.check_finish(req)
+            if req.finished:
+                self.running.remove(req)
+                self.kv.release(req)
+        self.send_outputs(batch.reqs)
+        self.decode_steps += 1
+        self.decode_tokens_since_log += len(batch.reqs)
+        if self.decode_steps % self.server_args.decode_log_interval == 0:
+            self.log_decode()
+
+    def check_finish(self, req: Req) -> None:
+        p = req.sampling_params
+        out = req.output_ids
+        tok = out[-1]
+        if len(out) >= p.max_new_tokens:
+            return req.finish("length", p.max_new_tokens)
+        if req.seq_len >= self.context_len:
+            return req.finish("length", self.context_len)
+        if len(out) < p.min_new_tokens:
+            return
+        if not p.ignore_eos and tok in self.eos_ids:
+            return req.finish("stop", tok)
+        if p.stop_token_ids and tok in p.stop_token_ids:
+            return req.finish("stop", tok)
+        if p.stop:
+            # Enough trailing tokens to hold the longest stop string (a character can
+            # take up to 4 byte-level tokens).
+            window = 4 * max(len(s) for s in p.stop) + 1
+            hit = find_stop(self.tokenizer.decode(out[-window:], skip_special_tokens=p.skip_special_tokens), p.stop)
+            if hit is not None:
+                req.finish("stop", hit[1])
+
+    # ---- status ------------------------------------------------------------------------
+
+    def holders(self) -> list[Req]:
+        return self.running + ([self.chunked_req] if self.chunked_req else [])
+
+    def get_load(self) -> GetLoadReqOutput:
+        free = self.kv.token_to_kv_pool.available_size()
+        cached = self.kv.tree.evictable_size()
+        return GetLoadReqOutput(
+            num_running_reqs=len(self.running),
+            num_waiting_reqs=len(self.waiting),
+            kv_used_tokens=self.capacity - free - cached,
+            kv_cached_tokens=cached,
+            kv_free_tokens=free,
+            kv_capacity=self.capacity,
+            invariant_ok=self.kv.check(self.holders()),
+        )
+
+    def token_usage(self) -> float:
+        return (self.capacity - self.kv.available()) / self.capacity
+
+    def log_prefill(self, batch: ScheduleBatch, new_tokens: int) -> None:
+        cached = sum(r.prefix_len for r in batch.reqs if r.kv_len == r.prefix_len)
+        logger.info(
+            "Prefill batch. #new-seq: %d, #new-token: %d, #cached-token: %d, token usage: %.2f, "
+            "#running-req: %d, #queue-req: %d",
+            len(batch.reqs), new_tokens, cached, self.token_usage(), len(self.running), len(self.waiting),
+        )
+
+    def log_decode(self) -> None:
+        now = time.monotonic()
+        tput = self.decode_tokens_since_log / max(now - self.last_decode_log, 1e-6)
+        self.decode_tokens_since_log, self.last_decode_log = 0, now
+        logger.info(
+            "Decode batch. #running-req: %d, #token: %d, token usage: %.2f, gen throughput (token/s): %.2f, "
+            "#queue-req: %d",
+            len(self.running), self.capacity - self.kv.available(), self.token_usage(), tput, len(self.waiting),
+        )
+
+
+def run_scheduler_process(server_args: ServerArgs, port_args: PortArgs, tp_rank: int, pipe) -> None:
+    """Process entry: builds the Scheduler, reports ready (or the error) over `pipe`, loops."""
+    die_with_parent()
+    signal.signal(signal.SIGINT, signal.SIG_IGN)  # the parent handles Ctrl-C and stops us
+    set_process_title(f"srt_lite::scheduler_TP{tp_rank}")
+    configure_logging(server_args.log_level, prefix=f"TP{tp_rank}")
+    try:
+        scheduler = Scheduler(server_args, port_args, tp_rank)
+        pipe.send(("ready", scheduler.ready_info().__dict__))
+        scheduler.event_loop()
+    except Exception as e:  # noqa: BLE001 - report any start-up or loop failure, then die
+        logger.error("Scheduler TP%d failed:\n%s", tp_rank, traceback.format_exc())
+        try:
+            pipe.send(("error", f"{type(e).__name__}: {e}"))
+        except (OSError, BrokenPipeError):
+            pass
+        raise SystemExit(1)
