@@ -125,3 +125,18 @@ def set_process_title(title: str) -> None:
         setproctitle.setproctitle(title)
     except ImportError:
         pass
+
+
+def init_child_process(title: str) -> None:
+    """Common start of every child process: dies with its parent, leaves the parent's process
+    group (so Ctrl-C or a group kill reaches only the parent, which stops children in order),
+    and carries a recognisable title such as `srt_lite::scheduler_TP0`."""
+    import signal
+
+    die_with_parent()
+    try:
+        os.setpgrp()
+    except OSError:
+        pass
+    signal.signal(signal.SIGINT, signal.SIG_IGN)
+    set_process_title(title)

@@ -8,7 +8,6 @@ dropped as soon as the request's final message passes through.
 from __future__ import annotations
 
 import logging
-import signal
 import traceback
 from dataclasses import dataclass
 
@@ -19,7 +18,7 @@ from srt_lite.managers.io_struct import BatchStrOut, BatchTokenIDOut
 from srt_lite.parser.incremental_detokenizer import IncrementalDetokenizer
 from srt_lite.parser.stop_strings import StopStringMatcher
 from srt_lite.server_args import PortArgs, ServerArgs
-from srt_lite.utils import configure_logging, die_with_parent, set_process_title, zmq_socket
+from srt_lite.utils import configure_logging, init_child_process, zmq_socket
 
 logger = logging.getLogger(__name__)
 
@@ -81,9 +80,7 @@ class DetokenizerManager:
 
 
 def run_detokenizer_process(server_args: ServerArgs, port_args: PortArgs, model_dir: str, pipe) -> None:
-    die_with_parent()
-    signal.signal(signal.SIGINT, signal.SIG_IGN)
-    set_process_title("srt_lite::detokenizer")
+    init_child_process("srt_lite::detokenizer")
     configure_logging(server_args.log_level, prefix="detokenizer")
     try:
         from transformers import AutoTokenizer

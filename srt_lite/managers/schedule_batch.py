@@ -57,9 +57,13 @@ class Req:
     def finished(self) -> bool:
         return self.finished_reason is not None
 
-    def finish(self, kind: str, matched: Any = None, message: str | None = None) -> None:
+    def finish(self, kind: str, matched: Any = None, message: str | None = None, length: int | None = None) -> None:
+        """SGLang's finish_reason dicts: {"type": "stop", "matched": token id or stop string},
+        {"type": "length", "matched": None, "length": n}, {"type": "abort", ..., "message"}."""
         if self.finished_reason is None:
             self.finished_reason = {"type": kind, "matched": matched}
+            if length is not None:
+                self.finished_reason["length"] = length
             if message:
                 self.finished_reason["message"] = message
 

@@ -11,7 +11,6 @@
 from __future__ import annotations
 
 import logging
-import signal
 import time
 import traceback
 from typing import Any
@@ -38,7 +37,7 @@ from srt_lite.model_config import ModelConfig
 from srt_lite.parser.stop_strings import find_stop
 from srt_lite.sampling.sampling_params import SamplingParams
 from srt_lite.server_args import PortArgs, ServerArgs
-from srt_lite.utils import configure_logging, die_with_parent, set_process_title, zmq_socket
+from srt_lite.utils import configure_logging, init_child_process, zmq_socket
 
 logger = logging.getLogger(__name__)
 
@@ -340,9 +339,9 @@ class Scheduler:
         out = req.output_ids
         tok = out[-1]
         if len(out) >= p.max_new_tokens:
-            return req.finish("length", p.max_new_tokens)
+            return req.finish("length", length=p.max_new_tokens)
         if req.seq_len >= self.context_len:
-            return req.finish("length", self.context_len)
+            return req.finish("length", length=len(out))
         if len(out) < p.min_new_tokens:
             return
         if not p.ignore_eos and tok in self.eos_ids:
@@ -399,9 +398,7 @@ class Scheduler:
 
 def run_scheduler_process(server_args: ServerArgs, port_args: PortArgs, tp_rank: int, pipe) -> None:
     """Process entry: builds the Scheduler, reports ready (or the error) over `pipe`, loops."""
-    die_with_parent()
-    signal.signal(signal.SIGINT, signal.SIG_IGN)  # the parent handles Ctrl-C and stops us
-    set_process_title(f"srt_lite::scheduler_TP{tp_rank}")
+    init_child_process(f"srt_lite::scheduler_TP{tp_rank}")
     configure_logging(server_args.log_level, prefix=f"TP{tp_rank}")
     try:
         scheduler = Scheduler(server_args, port_args, tp_rank)

@@ -212,3 +212,16 @@ class TokenizerManager:
 
     async def get_load(self) -> GetLoadReqOutput:
         return await self._control(GetLoadReq(), GetLoadReqOutput)
+
+    def close(self) -> None:
+        """Stops the receive loop (call in this manager's loop)."""
+        if self._started:
+            self._recv_task.cancel()
+
+    def fail_all(self, message: str) -> None:
+        """Ends every pending request with an abort carrying `message` (a child process died).
+        Must run in this manager's event loop."""
+        for state in list(self.rid_to_state.values()):
+            if state.finished_reason is None:
+                state.finished_reason = {"type": "abort", "matched": None, "message": message}
+                state.event.set()

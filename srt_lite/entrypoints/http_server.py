@@ -1,0 +1,225 @@
+"""The HTTP server: a starlette app over the TokenizerManager.
+
+Native (SGLang-compatible) endpoints live here; the OpenAI-compatible ones are mounted from
+`entrypoints/openai/`. Every error is returned in the OpenAI error format.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import dataclasses
+import logging
+from http import HTTPStatus
+from typing import Any, AsyncIterator
+
+import orjson
+from starlette.applications import Starlette
+from starlette.requests import Request
+from starlette.responses import JSONResponse, Response, StreamingResponse
+from starlette.routing import Route
+
+from srt_lite.managers.tokenizer_manager import RequestError, TokenizerManager
+
+logger = logging.getLogger(__name__)
+
+
+def error_response(message: str, status: int = 400, err_type: str | None = None, param: str | None = None) -> JSONResponse:
+    err_type = err_type or ("BadRequestError" if status == 400 else HTTPStatus(status).phrase.replace(" ", ""))
+    return JSONResponse(
+        {"error": {"message": message, "type": err_type, "param": param, "code": status}}, status_code=status
+    )
+
+
+def orjson_response(obj: Any, status: int = 200) -> Response:
+    return Response(orjson.dumps(obj), status_code=status, media_type="application/json")
+
+
+async def read_json(request: Request) -> Any:
+    body = await request.body()
+    try:
+        return orjson.loads(body)
+    except orjson.JSONDecodeError as e:
+        raise RequestError(f"the request body is not valid JSON: {e}") from None
+
+
+def sse(obj: Any) -> bytes:
+    return b"data: " + orjson.dumps(obj) + b"\n\n"
+
+
+class ServerState:
+    """What the endpoints share: the manager, the launch info, and liveness."""
+
+    def __init__(self, tokenizer_manager: TokenizerManager, model_dir: str, served_model_name: str):
+        self.tm = tokenizer_manager
+        self.model_dir = model_dir
+        self.served_model_name = served_model_name
+        self.dead: str | None = None
+
+
+def build_app(state: ServerState) -> Starlette:
+    tm = state.tm
+
+    async def health(request: Request) -> Response:
+        if state.dead:
+            return error_response(state.dead, 503)
+        return Response(status_code=200)
+
+    async def health_generate(request: Request) -> Response:
+        if state.dead:
+            return error_response(state.dead, 503)
+        params = tm.make_sampling_params({"max_new_tokens": 1, "temperature": 0})
+        try:
+            async for _ in tm.generate([tm.tokenizer.eos_token_id or 0], params):
+                pass
+        except Exception as e:  # noqa: BLE001
+            return error_response(f"generation failed: {e}", 503)
+        return Response(status_code=200)
+
+    async def get_model_info(request: Request) -> Response:
+        return orjson_response(
+            {
+                "model_path": state.model_dir,
+                "tokenizer_path": state.model_dir,
+                "served_model_name": state.served_model_name,
+                "is_generation": True,
+                "max_context_length": tm.context_len,
+            }
+        )
+
+    async def get_server_info(request: Request) -> Response:
+        info = dataclasses.asdict(tm.server_args)
+        info.update(dataclasses.asdict(tm.info))
+        info["version"] = _version()
+        try:
+            load = await tm.get_load()
+            info["load"] = dataclasses.asdict(load)
+        except asyncio.TimeoutError:
+            pass
+        return orjson_response(info)
+
+    async def flush_cache(request: Request) -> Response:
+        out = await tm.flush_cache()
+        if out.success:
+            return Response("Cache flushed.\n", status_code=200)
+        return error_response(out.message or "cache flush refused", 400)
+
+    async def abort_request(request: Request) -> Response:
+        body = await read_json(request)
+        rid = body.get("rid", "") if isinstance(body, dict) else ""
+        if not isinstance(rid, str):
+            raise RequestError("rid must be a string")
+        await tm.abort(rid)
+        return Response(status_code=200)
+
+    async def generate(request: Request) -> Response:
+        body = await read_json(request)
+        if not isinstance(body, dict):
+            raise RequestError("the request body must be a JSON object")
+        items, is_batch = _generate_items(tm, body)
+        stream = body.get("stream", False)
+        if not isinstance(stream, bool):
+            raise RequestError("stream must be a boolean")
+        if stream:
+            if is_batch:
+                raise RequestError("stream=true takes a single prompt")
+            ids, params, rid = items[0]
+            agen = tm.generate(ids, params, stream=True, rid=rid)
+            first = await _first(agen)  # errors surface here, before the 200 is sent
+            return StreamingResponse(_sse_cumulative(first, agen), media_type="text/event-stream")
+
+        async def one(ids, params, rid):
+            out = None
+            async for out in tm.generate(ids, params, rid=rid):
+                pass
+            return out
+
+        outs = await asyncio.gather(*(one(*it) for it in items))
+        return orjson_response(outs if is_batch else outs[0])
+
+    async def on_request_error(request: Request, exc: RequestError) -> Response:
+        return error_response(str(exc), 400)
+
+    routes = [
+        Route("/health", health, methods=["GET"]),
+        Route("/health_generate", health_generate, methods=["GET"]),
+        Route("/get_model_info", get_model_info, methods=["GET"]),
+        Route("/get_server_info", get_server_info, methods=["GET"]),
+        Route("/flush_cache", flush_cache, methods=["GET", "POST"]),
+        Route("/abort_request", abort_request, methods=["POST"]),
+        Route("/generate", generate, methods=["POST"]),
+    ]
+    app = Starlette(routes=routes, exception_handlers={RequestError: on_request_error})
+    app.state.server = state
+    return app
+
+
+def _generate_items(tm: TokenizerManager, body: dict) -> tuple[list[tuple[list[int], Any, str | None]], bool]:
+    text, input_ids = body.get("text"), body.get("input_ids")
+    if (text is None) == (input_ids is None):
+        raise RequestError("give exactly one of text or input_ids")
+    if text is not None:
+        is_batch = isinstance(text, list)
+        texts = text if is_batch else [text]
+        if not texts or not all(isinstance(t, str) for t in texts):
+            raise RequestError("text must be a string or a non-empty list of strings")
+        ids = [tm.tokenize(t) for t in texts]
+    else:
+        if not isinstance(input_ids, list) or not input_ids:
+            raise RequestError("input_ids must be a non-empty list of token ids or of lists of token ids")
+        is_batch = isinstance(input_ids[0], list)
+        ids = input_ids if is_batch else [input_ids]
+        if not all(isinstance(x, list) for x in ids):
+            raise RequestError("input_ids must not mix token ids and lists")
+    sp = body.get("sampling_params")
+    if isinstance(sp, list):
+        if len(sp) != len(ids):
+            raise RequestError("sampling_params list must have one entry per prompt")
+        params = [tm.make_sampling_params(p if isinstance(p, dict) else _bad_params()) for p in sp]
+    else:
+        if sp is not None and not isinstance(sp, dict):
+            raise RequestError("sampling_params must be an object")
+        params = [tm.make_sampling_params(sp)] * len(ids)
+    rid = body.get("rid")
+    rids = rid if isinstance(rid, list) else [rid] * len(ids)
+    if rid is not None and is_batch and not isinstance(rid, list):
+        raise RequestError("rid must be a list for a batch")
+    if len(rids) != len(ids) or not all(r is None or isinstance(r, str) for r in rids):
+        raise RequestError("rid must be a string (or a list of strings for a batch)")
+    for i, p in zip(ids, params):
+        tm.validate(i, p)
+    return list(zip(ids, params, rids)), is_batch
+
+
+def _bad_params():
+    raise RequestError("each sampling_params entry must be an object")
+
+
+async def _first(agen: AsyncIterator[dict]) -> dict | None:
+    try:
+        return await agen.__anext__()
+    except StopAsyncIteration:
+        return None
+
+
+async def _sse_cumulative(first: dict | None, agen: AsyncIterator[dict]) -> AsyncIterator[bytes]:
+    """SGLang's /generate stream: each event carries the whole text so far."""
+    text, ids = "", []
+    try:
+        chunk = first
+        while chunk is not None:
+            text += chunk["text"]
+            ids += chunk["output_ids"]
+            yield sse({"text": text, "output_ids": ids, "meta_info": chunk["meta_info"]})
+            chunk = await _first(agen)
+        yield b"data: [DONE]\n\n"
+    finally:
+        await agen.aclose()
+
+
+def _version() -> str:
+    try:
+        from importlib.metadata import version
+
+        return version("srt_lite")
+    except Exception:  # noqa: BLE001
+        return "unknown"

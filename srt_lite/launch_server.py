@@ -1,0 +1,107 @@
+"""`python -m srt_lite.launch_server [--model-path PATH] [--host H] [--port P] ...`"""
+
+from __future__ import annotations
+
+import asyncio
+import logging
+import signal
+import sys
+
+from srt_lite.server_args import ServerArgs, prepare_server_args
+from srt_lite.utils import configure_logging, set_process_title
+
+logger = logging.getLogger("srt_lite.launch_server")
+
+
+class _Shutdown(Exception):
+    pass
+
+
+def _raise_shutdown(signum, frame) -> None:
+    raise _Shutdown()
+
+
+def served_name(server_args: ServerArgs, model_dir: str) -> str:
+    if server_args.served_model_name:
+        return server_args.served_model_name
+    if server_args.model_path is None:
+        from srt_lite.model_loader.default_model import DEFAULT_MODEL_NAME
+
+        return DEFAULT_MODEL_NAME
+    return server_args.model_path.rstrip("/")
+
+
+def launch_server(server_args: ServerArgs) -> int:
+    """Runs until SIGINT/SIGTERM (returns 0) or until a child process dies (returns 1)."""
+    import uvicorn
+
+    from srt_lite.entrypoints.http_server import ServerState, build_app
+    from srt_lite.entrypoints.launcher import launch_subprocesses
+    from srt_lite.managers.tokenizer_manager import TokenizerManager
+
+    launch = launch_subprocesses(server_args)
+    exit_code = 0
+    try:
+        tm = TokenizerManager(server_args, launch.port_args, launch.model_dir, launch.info)
+        state = ServerState(tm, launch.model_dir, served_name(server_args, launch.model_dir))
+        app = build_app(state)
+        config = uvicorn.Config(
+            app,
+            host=server_args.host,
+            port=server_args.port,
+            log_level="warning",
+            timeout_graceful_shutdown=2,
+            access_log=False,
+        )
+        server = uvicorn.Server(config)
+        loop = asyncio.new_event_loop()
+
+        def on_child_death(name: str, code: int | None) -> None:
+            nonlocal exit_code
+            exit_code = 1
+            state.dead = f"{name} died unexpectedly (exit code {code})"
+            logger.error("%s; shutting down", state.dead)
+            loop.call_soon_threadsafe(tm.fail_all, state.dead)
+            server.should_exit = True
+
+        launch.procs.watch(on_child_death)
+        logger.info(
+            "Serving %s at http://%s:%d (try: curl http://%s:%d/generate -d '{\"text\": \"Hello\"}')",
+            state.served_model_name, server_args.host, server_args.port, server_args.host, server_args.port,
+        )
+        # uvicorn shuts down gracefully on SIGINT/SIGTERM and then re-raises the signal for
+        # the previous handler; ours turns it into an exception so the cleanup below runs.
+        signal.signal(signal.SIGTERM, _raise_shutdown)
+        signal.signal(signal.SIGINT, _raise_shutdown)
+        try:
+            loop.run_until_complete(server.serve())
+        except _Shutdown:
+            pass
+        if not server.started and exit_code == 0:
+            exit_code = 1  # e.g. the port was taken
+    finally:
+        launch.procs.shutdown()
+    return exit_code
+
+
+def main(argv: list[str] | None = None) -> None:
+    server_args = prepare_server_args(argv)
+    configure_logging(server_args.log_level)
+    set_process_title("srt_lite::server")
+    from srt_lite.model_loader.default_model import ModelPathError
+
+    try:
+        code = launch_server(server_args)
+    except (ModelPathError, ValueError) as e:
+        print(f"error: {e}", file=sys.stderr)
+        sys.exit(2)
+    except RuntimeError as e:
+        print(f"error: {e}", file=sys.stderr)
+        sys.exit(1)
+    except KeyboardInterrupt:
+        code = 0
+    sys.exit(code)
+
+
+if __name__ == "__main__":
+    main()
