@@ -39,8 +39,11 @@ def launch_server(server_args: ServerArgs) -> int:
     from srt_lite.entrypoints.launcher import launch_subprocesses
     from srt_lite.managers.tokenizer_manager import TokenizerManager
 
+    _check_port_free(server_args.host, server_args.port)
     launch = launch_subprocesses(server_args)
     exit_code = 0
+    tm = None
+    loop = asyncio.new_event_loop()
     try:
         tm = TokenizerManager(server_args, launch.port_args, launch.model_dir, launch.info)
         state = ServerState(tm, launch.model_dir, served_name(server_args, launch.model_dir))
@@ -54,7 +57,6 @@ def launch_server(server_args: ServerArgs) -> int:
             access_log=False,
         )
         server = uvicorn.Server(config)
-        loop = asyncio.new_event_loop()
 
         def on_child_death(name: str, code: int | None) -> None:
             nonlocal exit_code
@@ -81,7 +83,25 @@ def launch_server(server_args: ServerArgs) -> int:
             exit_code = 1  # e.g. the port was taken
     finally:
         launch.procs.shutdown()
+        if tm is not None and tm._started:
+            loop.run_until_complete(_close(tm))
     return exit_code
+
+
+def _check_port_free(host: str, port: int) -> None:
+    """Fails fast, before loading the model, when the port is taken."""
+    import socket
+
+    with socket.socket(socket.AF_INET6 if ":" in host else socket.AF_INET) as s:
+        s.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)
+        try:
+            s.bind((host, port))
+        except OSError as e:
+            raise RuntimeError(f"cannot listen on {host}:{port}: {e.strerror}") from None
+
+
+async def _close(tm) -> None:
+    tm.close()
 
 
 def main(argv: list[str] | None = None) -> None:

@@ -45,3 +45,26 @@ def chat_ids(tokenizer, content: str) -> list[int]:
         [{"role": "user", "content": content}], add_generation_prompt=True, tokenize=False
     )
     return tokenizer.encode(text, add_special_tokens=False)
+
+
+@pytest.fixture(scope="session")
+def engine():
+    """One fp32 Engine shared by the engine tests (fp32 so that batching never changes a
+    greedy token; bf16 kernels are not batch-invariant)."""
+    from srt_lite import Engine
+
+    eng = Engine(dtype="float32", max_total_tokens=20000, log_level="warning")
+    yield eng
+    eng.shutdown()
+
+
+def wait_idle(engine, timeout: float = 10.0):
+    """Waits until no request holds KV, then returns the scheduler's load report."""
+    import time
+
+    deadline = time.monotonic() + timeout
+    while True:
+        load = engine.get_load()
+        if (load.num_running_reqs == 0 and load.num_waiting_reqs == 0 and load.kv_used_tokens == 0) or time.monotonic() > deadline:
+            return load
+        time.sleep(0.05)

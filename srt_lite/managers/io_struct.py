@@ -7,7 +7,7 @@ message can only ever become one of the types below.
 
 from __future__ import annotations
 
-from dataclasses import dataclass, field, fields
+from dataclasses import dataclass, fields
 from typing import Any
 
 import orjson
@@ -55,6 +55,8 @@ class GetLoadReqOutput:
     kv_free_tokens: int
     kv_capacity: int
     invariant_ok: bool  # free + cached + in use == capacity, and the tree checks out
+    num_retractions: int = 0  # since start
+    evicted_tokens: int = 0  # since start
 
 
 @dataclass

@@ -28,8 +28,9 @@ class PrefillAdder:
     """Collects one prefill batch. KV availability is read fresh at every step because
     admitting a request locks its cached prefix, which is then no longer evictable."""
 
-    def __init__(self, decode_reserve: int, max_prefill_tokens: int, chunk_size: int):
+    def __init__(self, decode_reserve: int, max_prefill_tokens: int, chunk_size: int, num_running: int):
         self.reserved = decode_reserve  # future decode tokens of running requests
+        self.num_running = num_running
         self.rem_input = max_prefill_tokens
         self.rem_chunk = chunk_size
         self.can_run: list[Req] = []
@@ -47,7 +48,12 @@ class PrefillAdder:
         full = take == remaining
         need = take + (decode_reserve if full else 0)
         if available - self.reserved - self.new_tokens < need:
-            return False
+            # The reserve is an estimate; a lone request whose prompt fits always runs
+            # (retraction covers a wrong guess), otherwise a long max_new_tokens could
+            # keep it waiting forever on an idle server.
+            alone = self.num_running == 0 and not self.can_run
+            if not (alone and available >= take):
+                return False
         if not full and self.can_run and take < 64:
             # A sliver of a prompt is not worth a chunk; it starts the next batch instead.
             return False

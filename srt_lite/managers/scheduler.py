@@ -11,6 +11,7 @@
 from __future__ import annotations
 
 import logging
+import os
 import time
 import traceback
 from typing import Any
@@ -73,6 +74,10 @@ class Scheduler:
         self.chunked_req: Req | None = None
         self.new_token_ratio = INIT_NEW_TOKEN_RATIO
         self.decode_steps = 0
+        self.num_retractions = 0
+        self.forward_steps = 0
+        # Test hook: raise inside the loop after this many forward steps (fault tests).
+        self.crash_at_step = int(os.environ.get("SRT_LITE_TEST_CRASH_AT_STEP", "0"))
         self.decode_tokens_since_log = 0
         self.last_decode_log = time.monotonic()
 
@@ -231,7 +236,9 @@ class Scheduler:
             return None
         args = self.server_args
         chunk = args.chunked_prefill_size if args.chunked_prefill_size > 0 else 1 << 62
-        adder = PrefillAdder(sum(self.decode_reserve(r) for r in self.running), args.max_prefill_tokens, chunk)
+        adder = PrefillAdder(
+            sum(self.decode_reserve(r) for r in self.running), args.max_prefill_tokens, chunk, len(self.running)
+        )
         if self.chunked_req is not None:
             req, self.chunked_req = self.chunked_req, None
             if not adder.try_add(req, self.kv.available(), self.decode_reserve(req)):
@@ -262,9 +269,18 @@ class Scheduler:
         self.log_prefill(batch, adder.new_tokens)
         return batch, out_cache_loc
 
-    def prepare_decode(self) -> tuple[ScheduleBatch, torch.Tensor]:
+    def prepare_decode(self) -> tuple[ScheduleBatch, torch.Tensor] | None:
         if self.kv.available() < len(self.running):
             self.retract()
+            if self.kv.available() < len(self.running):
+                # One request alone has filled the whole KV cache: it has reached the
+                # longest sequence this server can hold, so it ends as if at its context limit.
+                req = self.running.pop()
+                req.finish("length", length=len(req.output_ids))
+                self.kv.release(req)
+                self.send_outputs([req])
+                if not self.running:
+                    return None
         else:
             self.new_token_ratio = max(self.new_token_ratio - NEW_TOKEN_RATIO_DECAY, MIN_NEW_TOKEN_RATIO)
         out_cache_loc = self.kv.alloc(len(self.running))
@@ -284,6 +300,7 @@ class Scheduler:
             self.running.remove(req)
             self.kv.release(req)
             req.retracted += 1
+            self.num_retractions += 1
             retracted.append(req)
         # Retracted requests go first when memory allows again, oldest first.
         self.waiting[:0] = sorted(retracted, key=lambda r: r.arrival_time)
@@ -295,6 +312,9 @@ class Scheduler:
 
     def run_batch(self, item: tuple[ScheduleBatch, torch.Tensor]) -> None:
         batch, out_cache_loc = item
+        self.forward_steps += 1
+        if self.crash_at_step and self.forward_steps >= self.crash_at_step:
+            raise RuntimeError(f"injected fault at step {self.forward_steps} (SRT_LITE_TEST_CRASH_AT_STEP)")
         tokens = self.worker.forward_batch_generation(batch, out_cache_loc)
         if batch.is_prefill:
             self.process_prefill_result(batch, tokens)
@@ -372,6 +392,8 @@ class Scheduler:
             kv_free_tokens=free,
             kv_capacity=self.capacity,
             invariant_ok=self.kv.check(self.holders()),
+            num_retractions=self.num_retractions,
+            evicted_tokens=self.kv.evicted_tokens,
         )
 
     def token_usage(self) -> float:

@@ -70,7 +70,7 @@ class TokenizerManager:
         """Sockets are created in the loop that uses them (uvicorn's, or the Engine thread's)."""
         if self._started:
             return
-        ctx = zmq.asyncio.Context(2)
+        self._ctx = ctx = zmq.asyncio.Context(2)
         self.send_to_scheduler = zmq_socket(ctx, zmq.PUSH, self.port_args.scheduler_input, bind=False)
         self.recv_from_detokenizer = zmq_socket(ctx, zmq.PULL, self.port_args.tokenizer_input, bind=True)
         self._recv_task = asyncio.get_running_loop().create_task(self._handle_loop())
@@ -214,9 +214,14 @@ class TokenizerManager:
         return await self._control(GetLoadReq(), GetLoadReqOutput)
 
     def close(self) -> None:
-        """Stops the receive loop (call in this manager's loop)."""
+        """Stops the receive loop and closes the sockets (call in this manager's loop).
+        An unclosed socket would make the zmq context block interpreter exit."""
         if self._started:
+            self._started = False
             self._recv_task.cancel()
+            self.send_to_scheduler.close(linger=0)
+            self.recv_from_detokenizer.close(linger=0)
+            self._ctx.term()
 
     def fail_all(self, message: str) -> None:
         """Ends every pending request with an abort carrying `message` (a child process died).

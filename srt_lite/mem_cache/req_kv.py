@@ -24,6 +24,7 @@ class ReqKVManager:
         self.token_to_kv_pool = token_to_kv_pool
         self.disabled = disable_radix_cache
         self.tree = RadixCache(token_to_kv_pool, disable=disable_radix_cache)
+        self.evicted_tokens = 0
 
     # ---- capacity --------------------------------------------------------------------
 
@@ -35,7 +36,7 @@ class ReqKVManager:
         pool = self.token_to_kv_pool
         short = n - pool.available_size()
         if short > 0:
-            self.tree.evict(short)
+            self.evicted_tokens += self.tree.evict(short)
         return pool.alloc(n)
 
     # ---- request lifecycle -----------------------------------------------------------

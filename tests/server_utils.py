@@ -1,0 +1,67 @@
+"""Starting a real server process for HTTP and lifecycle tests."""
+
+from __future__ import annotations
+
+import os
+import signal
+import subprocess
+import sys
+import time
+
+import httpx
+import psutil
+
+from srt_lite.utils import get_free_port
+
+
+class ServerProcess:
+    def __init__(self, *args: str, env: dict | None = None):
+        self.port = get_free_port()
+        self.base_url = f"http://127.0.0.1:{self.port}"
+        self.log_path = f"/tmp/srt_lite_test_server_{self.port}.log"
+        self.log = open(self.log_path, "w+")
+        cmd = [sys.executable, "-m", "srt_lite.launch_server", "--port", str(self.port), *args]
+        self.proc = subprocess.Popen(cmd, stdout=self.log, stderr=subprocess.STDOUT, env={**os.environ, **(env or {})})
+
+    def wait_ready(self, timeout: float = 120.0) -> "ServerProcess":
+        deadline = time.monotonic() + timeout
+        while time.monotonic() < deadline:
+            if self.proc.poll() is not None:
+                raise RuntimeError(f"server exited with {self.proc.returncode}:\n{self.read_log()}")
+            try:
+                if httpx.get(self.base_url + "/health", timeout=1).status_code == 200:
+                    return self
+            except httpx.HTTPError:
+                pass
+            time.sleep(0.25)
+        raise TimeoutError(f"server not ready:\n{self.read_log()}")
+
+    def read_log(self) -> str:
+        self.log.flush()
+        with open(self.log_path) as f:
+            return f.read()
+
+    def children(self) -> list[psutil.Process]:
+        try:
+            return psutil.Process(self.proc.pid).children(recursive=True)
+        except psutil.NoSuchProcess:
+            return []
+
+    def ipc_dir(self) -> str | None:
+        """The server's private socket dir, found from its open unix sockets' paths."""
+        for c in self.children():
+            for conn in c.net_connections(kind="unix"):
+                if conn.laddr and "srt_lite-" in conn.laddr:
+                    return os.path.dirname(conn.laddr)
+        return None
+
+    def stop(self, sig: int = signal.SIGTERM, timeout: float = 10.0) -> int:
+        if self.proc.poll() is None:
+            self.proc.send_signal(sig)
+            try:
+                self.proc.wait(timeout)
+            except subprocess.TimeoutExpired:
+                self.proc.kill()
+                self.proc.wait()
+        self.log.close()
+        return self.proc.returncode

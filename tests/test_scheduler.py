@@ -1,0 +1,75 @@
+"""Scheduling under pressure: eviction, retraction, chunked prefill, small batches, fcfs and a
+disabled radix cache must all give the same greedy text as the unconstrained engine."""
+
+from __future__ import annotations
+
+import pytest
+
+from conftest import wait_idle
+from srt_lite import Engine
+
+PROMPTS = [
+    "Hello, my name is",
+    "The capital of France is",
+    "def add(a, b):",
+    "Once upon a time,",
+    "List three colors:",
+    "The meaning of life is",
+    "In 1492, Columbus",
+    "Water boils at",
+]
+LONG = "Here is a long story about a river that runs through a valley. " * 6 + "The river"
+PARAMS = {"max_new_tokens": 40, "temperature": 0, "ignore_eos": True}
+
+
+@pytest.fixture(scope="module")
+def reference(engine):
+    return [o["output_ids"] for o in engine.generate(PROMPTS + [LONG], PARAMS)]
+
+
+@pytest.mark.parametrize(
+    "kwargs",
+    [
+        # 8 x (~6 + 40) tokens plus a long prompt cannot all fit in 160 slots: the scheduler
+        # must evict cached prefixes and retract running requests, then resume them.
+        dict(max_total_tokens=160, chunked_prefill_size=32, schedule_policy="fcfs"),
+        dict(max_total_tokens=4096, max_running_requests=2, disable_radix_cache=True, chunked_prefill_size=16),
+    ],
+    ids=["tiny-kv-retract", "two-running-no-radix"],
+)
+def test_outputs_unchanged_under_pressure(kwargs, reference):
+    with Engine(dtype="float32", log_level="warning", **kwargs) as eng:
+        outs = eng.generate(PROMPTS + [LONG], PARAMS)
+        assert [o["output_ids"] for o in outs] == reference
+        assert all(o["meta_info"]["finish_reason"]["type"] == "length" for o in outs)
+        # A second round reuses what the cache kept, and still agrees.
+        again = eng.generate(PROMPTS + [LONG], PARAMS)
+        assert [o["output_ids"] for o in again] == reference
+        load = wait_idle(eng)
+        assert load.invariant_ok and load.kv_used_tokens == 0
+        if kwargs["max_total_tokens"] == 160:
+            assert load.num_retractions > 0
+            assert load.evicted_tokens > 0
+        else:
+            assert load.kv_cached_tokens == 0  # nothing is kept without the radix cache
+            assert all(o["meta_info"]["cached_tokens"] == 0 for o in again)
+
+
+def test_prompt_larger_than_kv_is_rejected_not_queued():
+    with Engine(dtype="float32", log_level="warning", max_total_tokens=64) as eng:
+        out = eng.generate(input_ids=list(range(10, 110)), sampling_params={"max_new_tokens": 4})
+        assert out["meta_info"]["finish_reason"]["type"] == "abort"
+        assert "KV cache" in out["meta_info"]["finish_reason"]["message"]
+        ok = eng.generate("Hi", {"max_new_tokens": 4, "temperature": 0})
+        assert ok["meta_info"]["finish_reason"]["type"] == "length"
+        assert wait_idle(eng).invariant_ok
+
+
+def test_single_request_longer_than_kv_ends_with_length():
+    with Engine(dtype="float32", log_level="warning", max_total_tokens=64) as eng:
+        out = eng.generate("Hello", {"max_new_tokens": 500, "ignore_eos": True, "temperature": 0})
+        fr = out["meta_info"]["finish_reason"]
+        assert fr["type"] == "length"
+        # The prompt plus what it generated fills the cache (the last token needs no KV).
+        assert out["meta_info"]["prompt_tokens"] + out["meta_info"]["completion_tokens"] == 64 + 1
+        assert wait_idle(eng).invariant_ok

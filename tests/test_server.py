@@ -1,0 +1,146 @@
+"""The native HTTP API (/generate and friends) of a real server process."""
+
+from __future__ import annotations
+
+import json
+import threading
+import time
+
+import httpx
+import pytest
+
+from server_utils import ServerProcess
+
+
+@pytest.fixture(scope="module")
+def server():
+    s = ServerProcess("--max-total-tokens", "8192").wait_ready()
+    yield s
+    s.stop()
+
+
+def post(server, path, body, timeout=60):
+    return httpx.post(server.base_url + path, json=body, timeout=timeout)
+
+
+def test_generate_text_and_input_ids(server):
+    r = post(server, "/generate", {"text": "The capital of France is", "sampling_params": {"max_new_tokens": 8, "temperature": 0}})
+    assert r.status_code == 200
+    out = r.json()
+    assert "Paris" in out["text"]
+    assert out["meta_info"]["completion_tokens"] == 8
+    ids = httpx.post(server.base_url + "/generate", json={"input_ids": [504, 3575, 282, 4649, 314], "sampling_params": {"max_new_tokens": 8, "temperature": 0}}).json()
+    assert ids["meta_info"]["prompt_tokens"] == 5
+
+
+def test_generate_batch(server):
+    r = post(server, "/generate", {"text": ["Hello, my name is", "1, 2, 3,"], "sampling_params": [{"max_new_tokens": 4, "temperature": 0}, {"max_new_tokens": 6, "temperature": 0}]})
+    outs = r.json()
+    assert r.status_code == 200 and isinstance(outs, list) and len(outs) == 2
+    assert [o["meta_info"]["completion_tokens"] for o in outs] == [4, 6]
+    single = post(server, "/generate", {"text": "1, 2, 3,", "sampling_params": {"max_new_tokens": 6, "temperature": 0}}).json()
+    assert single["text"] == outs[1]["text"]
+
+
+def test_generate_stream_sse(server):
+    body = {"text": "Once upon a time", "stream": True, "sampling_params": {"max_new_tokens": 12, "temperature": 0, "ignore_eos": True}}
+    events = []
+    with httpx.stream("POST", server.base_url + "/generate", json=body, timeout=60) as r:
+        assert r.status_code == 200
+        assert r.headers["content-type"].startswith("text/event-stream")
+        for line in r.iter_lines():
+            if line.startswith("data: "):
+                events.append(line[6:])
+    assert events[-1] == "[DONE]"
+    chunks = [json.loads(e) for e in events[:-1]]
+    assert len(chunks) >= 2
+    # SGLang's /generate stream: each event holds the whole text so far.
+    for a, b in zip(chunks, chunks[1:]):
+        assert b["text"].startswith(a["text"])
+    full = post(server, "/generate", {**body, "stream": False}).json()
+    assert chunks[-1]["text"] == full["text"]
+    assert chunks[-1]["meta_info"]["finish_reason"]["type"] == "length"
+
+
+@pytest.mark.parametrize(
+    "body",
+    [
+        {"text": "Hi", "sampling_params": {"temperature": -1}},
+        {"text": "Hi", "sampling_params": {"top_p": 0}},
+        {"text": "Hi", "sampling_params": {"max_new_tokens": "ten"}},
+        {"text": "Hi", "sampling_params": {"nope": 1}},
+        {"text": "Hi", "sampling_params": "hot"},
+        {"text": 5},
+        {},
+        {"text": "Hi", "input_ids": [1]},
+        {"input_ids": [1, -5]},
+        {"input_ids": []},
+        {"input_ids": [7] * 9000},
+        {"text": "Hi", "stream": "yes"},
+        {"text": "Hi", "stream": True, "sampling_params": {"max_new_tokens": -1}},
+        [1, 2],
+    ],
+)
+def test_bad_requests_get_openai_style_400(server, body):
+    r = post(server, "/generate", body)
+    assert r.status_code == 400, r.text
+    err = r.json()["error"]
+    assert err["code"] == 400 and isinstance(err["message"], str) and err["message"]
+
+
+def test_non_json_body_is_400(server):
+    r = httpx.post(server.base_url + "/generate", content=b"{not json", timeout=10)
+    assert r.status_code == 400 and "JSON" in r.json()["error"]["message"]
+
+
+def test_info_endpoints(server):
+    assert httpx.get(server.base_url + "/health").status_code == 200
+    assert httpx.get(server.base_url + "/health_generate", timeout=30).status_code == 200
+    info = httpx.get(server.base_url + "/get_model_info").json()
+    assert info["is_generation"] is True and info["model_path"]
+    sinfo = httpx.get(server.base_url + "/get_server_info").json()
+    assert sinfo["max_total_num_tokens"] == 8192 and sinfo["port"] == server.port
+    assert sinfo["load"]["invariant_ok"] is True
+
+
+def test_flush_cache_and_cached_tokens(server):
+    prompt = "Cached prompt for the server test: " + "lorem ipsum dolor sit amet " * 6
+    body = {"text": prompt, "sampling_params": {"max_new_tokens": 2, "temperature": 0}}
+    assert httpx.post(server.base_url + "/flush_cache").status_code == 200
+    post(server, "/generate", body)
+    second = post(server, "/generate", body).json()["meta_info"]
+    assert second["cached_tokens"] == second["prompt_tokens"] - 1
+    assert httpx.post(server.base_url + "/flush_cache").status_code == 200
+    assert post(server, "/generate", body).json()["meta_info"]["cached_tokens"] == 0
+
+
+def test_abort_request_endpoint(server):
+    result = {}
+
+    def run():
+        result["out"] = post(server, "/generate", {"text": "Tell a long story", "rid": "to-abort", "sampling_params": {"max_new_tokens": 4000, "ignore_eos": True}}).json()
+
+    t = threading.Thread(target=run)
+    t.start()
+    time.sleep(1.5)
+    assert post(server, "/abort_request", {"rid": "to-abort"}).status_code == 200
+    t.join(30)
+    assert result["out"]["meta_info"]["finish_reason"]["type"] == "abort"
+    assert result["out"]["meta_info"]["completion_tokens"] < 4000
+    load = httpx.get(server.base_url + "/get_server_info").json()["load"]
+    assert load["kv_used_tokens"] == 0 and load["invariant_ok"]
+
+
+def test_client_disconnect_aborts_stream(server):
+    body = {"text": "Count to a million:", "stream": True, "sampling_params": {"max_new_tokens": 4000, "ignore_eos": True}}
+    with httpx.stream("POST", server.base_url + "/generate", json=body, timeout=60) as r:
+        for i, _ in enumerate(r.iter_lines()):
+            if i > 6:
+                break
+    deadline = time.monotonic() + 10
+    while time.monotonic() < deadline:
+        load = httpx.get(server.base_url + "/get_server_info").json()["load"]
+        if load["num_running_reqs"] == 0 and load["kv_used_tokens"] == 0:
+            break
+        time.sleep(0.1)
+    assert load["num_running_reqs"] == 0 and load["kv_used_tokens"] == 0 and load["invariant_ok"]
