@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import atexit
 import os
 import signal
 import subprocess
@@ -14,7 +15,22 @@ import psutil
 from srt_lite.utils import get_free_port
 
 
+_STARTED: list["ServerProcess"] = []
+
+
+@atexit.register
+def _kill_leftovers() -> None:
+    """A failed test must never leave a server (and its children) running."""
+    for s in _STARTED:
+        if s.proc.poll() is None:
+            for c in s.children():
+                c.kill()
+            s.proc.kill()
+
+
 class ServerProcess:
+    """Use as a context manager so the server stops even when the test fails."""
+
     def __init__(self, *args: str, env: dict | None = None):
         self.port = get_free_port()
         self.base_url = f"http://127.0.0.1:{self.port}"
@@ -22,6 +38,19 @@ class ServerProcess:
         self.log = open(self.log_path, "w+")
         cmd = [sys.executable, "-m", "srt_lite.launch_server", "--port", str(self.port), *args]
         self.proc = subprocess.Popen(cmd, stdout=self.log, stderr=subprocess.STDOUT, env={**os.environ, **(env or {})})
+        _STARTED.append(self)
+
+    def __enter__(self) -> "ServerProcess":
+        return self.wait_ready()
+
+    def __exit__(self, *exc) -> None:
+        children = self.children()
+        self.stop()
+        for c in children:
+            try:
+                c.kill()
+            except psutil.NoSuchProcess:
+                pass
 
     def wait_ready(self, timeout: float = 120.0) -> "ServerProcess":
         deadline = time.monotonic() + timeout
@@ -63,5 +92,6 @@ class ServerProcess:
             except subprocess.TimeoutExpired:
                 self.proc.kill()
                 self.proc.wait()
-        self.log.close()
+        if not self.log.closed:
+            self.log.close()
         return self.proc.returncode

@@ -27,71 +27,66 @@ def assert_gone(procs: list[psutil.Process], ipc_dir: str | None) -> None:
 
 @pytest.mark.parametrize("sig", [signal.SIGTERM, signal.SIGINT], ids=["SIGTERM", "SIGINT"])
 def test_signal_stops_everything_within_5s(sig):
-    s = ServerProcess(*ARGS).wait_ready()
-    children = s.children()
-    titles = sorted(p.name() if p.name().startswith("srt_lite") else " ".join(p.cmdline()) for p in children)
-    assert "srt_lite::detokenizer" in titles and "srt_lite::scheduler_TP0" in titles, titles
-    ipc = s.ipc_dir()
-    assert ipc and oct(os.stat(ipc).st_mode & 0o777) == "0o700"
-    # A request in flight while the signal arrives must not keep the server up.
-    with httpx.stream("POST", s.base_url + "/generate", json={"text": "Go", "stream": True, "sampling_params": {"max_new_tokens": 3000, "ignore_eos": True}}, timeout=30) as r:
-        next(r.iter_lines())
-        t0 = time.monotonic()
-        s.proc.send_signal(sig)
-        code = s.proc.wait(10)
-    assert time.monotonic() - t0 < 5
-    assert code == 0
-    assert_gone(children, ipc)
-    s.stop()
+    with ServerProcess(*ARGS) as s:
+        children = s.children()
+        titles = sorted(p.name() if p.name().startswith("srt_lite") else " ".join(p.cmdline()) for p in children)
+        assert "srt_lite::detokenizer" in titles and "srt_lite::scheduler_TP0" in titles, titles
+        ipc = s.ipc_dir()
+        assert ipc and oct(os.stat(ipc).st_mode & 0o777) == "0o700"
+        # A request in flight while the signal arrives must not keep the server up.
+        with httpx.stream("POST", s.base_url + "/generate", json={"text": "Go", "stream": True, "sampling_params": {"max_new_tokens": 3000, "ignore_eos": True}}, timeout=30) as r:
+            next(r.iter_lines())
+            t0 = time.monotonic()
+            s.proc.send_signal(sig)
+            code = s.proc.wait(10)
+        assert time.monotonic() - t0 < 5
+        assert code == 0
+        assert_gone(children, ipc)
 
 
 def test_killed_scheduler_takes_server_down():
-    s = ServerProcess(*ARGS).wait_ready()
-    children = s.children()
-    ipc = s.ipc_dir()
-    sched = next(p for p in children if p.name() == "srt_lite::scheduler_TP0")
-    sched.kill()
-    code = s.proc.wait(10)
-    assert code != 0
-    assert "scheduler_TP0 died unexpectedly" in s.read_log()
-    assert_gone(children, ipc)
-    s.stop()
+    with ServerProcess(*ARGS) as s:
+        children = s.children()
+        ipc = s.ipc_dir()
+        sched = next(p for p in children if p.name() == "srt_lite::scheduler_TP0")
+        sched.kill()
+        code = s.proc.wait(10)
+        assert code != 0
+        assert "scheduler_TP0 died unexpectedly" in s.read_log()
+        assert_gone(children, ipc)
 
 
 def test_scheduler_exception_logs_traceback_and_fails_requests():
-    s = ServerProcess(*ARGS, env={"SRT_LITE_TEST_CRASH_AT_STEP": "3"}).wait_ready()
-    children = s.children()
-    ipc = s.ipc_dir()
-    t0 = time.monotonic()
-    r = httpx.post(s.base_url + "/generate", json={"text": "Hi", "sampling_params": {"max_new_tokens": 50, "ignore_eos": True}}, timeout=30)
-    # The in-flight request ends promptly with an abort instead of hanging.
-    assert time.monotonic() - t0 < 10
-    assert r.status_code == 200 and r.json()["meta_info"]["finish_reason"]["type"] == "abort"
-    code = s.proc.wait(10)
-    assert code != 0
-    log = s.read_log()
-    assert "Traceback" in log and "injected fault at step 3" in log
-    assert_gone(children, ipc)
-    s.stop()
+    with ServerProcess(*ARGS, env={"SRT_LITE_TEST_CRASH_AT_STEP": "3"}) as s:
+        children = s.children()
+        ipc = s.ipc_dir()
+        t0 = time.monotonic()
+        r = httpx.post(s.base_url + "/generate", json={"text": "Hi", "sampling_params": {"max_new_tokens": 50, "ignore_eos": True}}, timeout=30)
+        # The in-flight request ends promptly with an abort instead of hanging.
+        assert time.monotonic() - t0 < 10
+        assert r.status_code == 200 and r.json()["meta_info"]["finish_reason"]["type"] == "abort"
+        code = s.proc.wait(10)
+        assert code != 0
+        log = s.read_log()
+        assert "Traceback" in log and "injected fault at step 3" in log
+        assert_gone(children, ipc)
 
 
 def test_killed_detokenizer_takes_server_down():
-    s = ServerProcess(*ARGS).wait_ready()
-    children = s.children()
-    next(p for p in children if p.name() == "srt_lite::detokenizer").kill()
-    assert s.proc.wait(10) != 0
-    assert "detokenizer died unexpectedly" in s.read_log()
-    assert_gone(children, None)
-    s.stop()
+    with ServerProcess(*ARGS) as s:
+        children = s.children()
+        next(p for p in children if p.name() == "srt_lite::detokenizer").kill()
+        assert s.proc.wait(10) != 0
+        assert "detokenizer died unexpectedly" in s.read_log()
+        assert_gone(children, None)
 
 
 def test_killed_server_leaves_no_orphans():
-    s = ServerProcess(*ARGS).wait_ready()
-    children = s.children()
-    s.proc.kill()
-    s.proc.wait(5)
-    assert_gone(children, None)
-    s.stop()
+    with ServerProcess(*ARGS) as s:
+        children = s.children()
+        s.proc.kill()
+        s.proc.wait(5)
+        assert_gone(children, None)
 
 
 def run_cli(*args: str, timeout: float = 60) -> subprocess.CompletedProcess:

@@ -14,12 +14,11 @@ from server_utils import ServerProcess
 
 @pytest.fixture(scope="module")
 def server():
-    s = ServerProcess("--max-total-tokens", "8192").wait_ready()
-    yield s
-    s.stop()
+    with ServerProcess("--max-total-tokens", "8192") as s:
+        yield s
 
 
-def post(server, path, body, timeout=60):
+def post(server, path, body, timeout=120):
     return httpx.post(server.base_url + path, json=body, timeout=timeout)
 
 
@@ -29,7 +28,7 @@ def test_generate_text_and_input_ids(server):
     out = r.json()
     assert "Paris" in out["text"]
     assert out["meta_info"]["completion_tokens"] == 8
-    ids = httpx.post(server.base_url + "/generate", json={"input_ids": [504, 3575, 282, 4649, 314], "sampling_params": {"max_new_tokens": 8, "temperature": 0}}).json()
+    ids = post(server, "/generate", {"input_ids": [504, 3575, 282, 4649, 314], "sampling_params": {"max_new_tokens": 8, "temperature": 0}}).json()
     assert ids["meta_info"]["prompt_tokens"] == 5
 
 
