@@ -16,7 +16,7 @@ import threading
 from typing import Any, AsyncIterator, Iterator
 
 from srt_lite.entrypoints.launcher import launch_subprocesses
-from srt_lite.managers.tokenizer_manager import RequestError, TokenizerManager
+from srt_lite.managers.tokenizer_manager import LogprobOptions, RequestError, TokenizerManager
 from srt_lite.server_args import ServerArgs
 from srt_lite.utils import configure_logging
 
@@ -71,11 +71,12 @@ class Engine:
             params = [tm.make_sampling_params(sampling_params)] * len(ids)
         return ids, params, is_batch
 
-    async def _collect(self, ids: list[int], params) -> dict:
-        out = None
-        async for out in self.tokenizer_manager.generate(ids, params):
-            pass
-        return out
+    async def _run_all(self, ids: list[list[int]], params: list, logprobs: LogprobOptions) -> list[dict]:
+        """Every prompt's n completions, flattened prompt by prompt."""
+        groups = await asyncio.gather(
+            *(self.tokenizer_manager.generate_n(i, p, logprobs) for i, p in zip(ids, params))
+        )
+        return [out for group in groups for out in group]
 
     # ---- public API --------------------------------------------------------------------
 
@@ -85,24 +86,33 @@ class Engine:
         sampling_params: dict | list[dict] | None = None,
         input_ids: list[int] | list[list[int]] | None = None,
         stream: bool = False,
+        return_logprob: bool = False,
+        logprob_start_len: int = -1,
+        top_logprobs_num: int = 0,
+        token_ids_logprob: list[int] | None = None,
+        return_text_in_logprobs: bool = False,
     ) -> dict | list[dict] | Iterator[dict]:
-        """Returns a dict (one prompt), a list of dicts (a batch), or with stream=True an
-        iterator of incremental chunks (`text` holds only the new text)."""
+        """Returns a dict (one prompt, n == 1), a list of dicts (a batch, or n > 1: the n
+        completions of each prompt in turn), or with stream=True an iterator of incremental
+        chunks (`text` holds only the new text)."""
         self._check_alive()
         ids, params, is_batch = self._prepare(prompt, sampling_params, input_ids)
+        logprobs = LogprobOptions(
+            return_logprob, logprob_start_len, top_logprobs_num, token_ids_logprob, return_text_in_logprobs
+        )
         if stream:
-            if is_batch:
-                raise RequestError("stream=True takes a single prompt")
-            return self._stream(ids[0], params[0])
+            self._check_streamable(is_batch, params)
+            return self._stream(ids[0], params[0], logprobs)
+        outs = self._run(self._run_all(ids, params, logprobs))
+        return outs if is_batch or params[0].n > 1 else outs[0]
 
-        async def run_all():
-            return await asyncio.gather(*(self._collect(i, p) for i, p in zip(ids, params)))
+    @staticmethod
+    def _check_streamable(is_batch: bool, params: list) -> None:
+        if is_batch or params[0].n > 1:
+            raise RequestError("stream=True takes a single prompt with n == 1")
 
-        outs = self._run(run_all())
-        return outs if is_batch else outs[0]
-
-    def _stream(self, ids: list[int], params) -> Iterator[dict]:
-        agen = self.tokenizer_manager.generate(ids, params, stream=True)
+    def _stream(self, ids: list[int], params, logprobs: LogprobOptions) -> Iterator[dict]:
+        agen = self.tokenizer_manager.generate(ids, params, stream=True, logprobs=logprobs)
         try:
             while True:
                 try:
@@ -119,22 +129,26 @@ class Engine:
         sampling_params: dict | list[dict] | None = None,
         input_ids: list[int] | list[list[int]] | None = None,
         stream: bool = False,
+        return_logprob: bool = False,
+        logprob_start_len: int = -1,
+        top_logprobs_num: int = 0,
+        token_ids_logprob: list[int] | None = None,
+        return_text_in_logprobs: bool = False,
     ) -> dict | list[dict] | AsyncIterator[dict]:
         self._check_alive()
         ids, params, is_batch = self._prepare(prompt, sampling_params, input_ids)
+        logprobs = LogprobOptions(
+            return_logprob, logprob_start_len, top_logprobs_num, token_ids_logprob, return_text_in_logprobs
+        )
         if stream:
-            if is_batch:
-                raise RequestError("stream=True takes a single prompt")
-            return self._async_stream(ids[0], params[0])
+            self._check_streamable(is_batch, params)
+            return self._async_stream(ids[0], params[0], logprobs)
+        fut = asyncio.run_coroutine_threadsafe(self._run_all(ids, params, logprobs), self.loop)
+        outs = await asyncio.wrap_future(fut)
+        return outs if is_batch or params[0].n > 1 else outs[0]
 
-        async def run_all():
-            return await asyncio.gather(*(self._collect(i, p) for i, p in zip(ids, params)))
-
-        outs = await asyncio.wrap_future(asyncio.run_coroutine_threadsafe(run_all(), self.loop))
-        return outs if is_batch else outs[0]
-
-    async def _async_stream(self, ids: list[int], params) -> AsyncIterator[dict]:
-        agen = self.tokenizer_manager.generate(ids, params, stream=True)
+    async def _async_stream(self, ids: list[int], params, logprobs: LogprobOptions) -> AsyncIterator[dict]:
+        agen = self.tokenizer_manager.generate(ids, params, stream=True, logprobs=logprobs)
 
         def on_engine_loop(coro):
             return asyncio.wrap_future(asyncio.run_coroutine_threadsafe(coro, self.loop))

@@ -18,7 +18,7 @@ from starlette.requests import Request
 from starlette.responses import JSONResponse, Response, StreamingResponse
 from starlette.routing import Route
 
-from srt_lite.managers.tokenizer_manager import RequestError, TokenizerManager
+from srt_lite.managers.tokenizer_manager import LogprobOptions, RequestError, TokenizerManager
 
 logger = logging.getLogger(__name__)
 
@@ -116,25 +116,29 @@ def build_app(state: ServerState) -> Starlette:
         if not isinstance(body, dict):
             raise RequestError("the request body must be a JSON object")
         items, is_batch = _generate_items(tm, body)
+        logprobs = LogprobOptions.from_body(body)
         stream = body.get("stream", False)
         if not isinstance(stream, bool):
             raise RequestError("stream must be a boolean")
         if stream:
-            if is_batch:
-                raise RequestError("stream=true takes a single prompt")
+            if is_batch or items[0][1].n > 1:
+                raise RequestError("stream=true takes a single prompt with n == 1")
             ids, params, rid = items[0]
-            agen = tm.generate(ids, params, stream=True, rid=rid)
+            agen = tm.generate(ids, params, stream=True, rid=rid, logprobs=logprobs)
             first = await _first(agen)  # errors surface here, before the 200 is sent
             return StreamingResponse(_sse_cumulative(first, agen), media_type="text/event-stream")
 
         async def one(ids, params, rid):
+            if params.n > 1:
+                return await tm.generate_n(ids, params, logprobs)
             out = None
-            async for out in tm.generate(ids, params, rid=rid):
+            async for out in tm.generate(ids, params, rid=rid, logprobs=logprobs):
                 pass
-            return out
+            return [out]
 
-        outs = await asyncio.gather(*(one(*it) for it in items))
-        return orjson_response(outs if is_batch else outs[0])
+        groups = await asyncio.gather(*(one(*it) for it in items))
+        outs = [o for g in groups for o in g]
+        return orjson_response(outs if is_batch or len(outs) > 1 else outs[0])
 
     async def on_request_error(request: Request, exc: RequestError) -> Response:
         return error_response(str(exc), 400)
@@ -203,13 +207,18 @@ async def _first(agen: AsyncIterator[dict]) -> dict | None:
 
 async def _sse_cumulative(first: dict | None, agen: AsyncIterator[dict]) -> AsyncIterator[bytes]:
     """SGLang's /generate stream: each event carries the whole text so far."""
-    text, ids = "", []
+    text, ids, lists = "", [], {}
     try:
         chunk = first
         while chunk is not None:
             text += chunk["text"]
             ids += chunk["output_ids"]
-            yield sse({"text": text, "output_ids": ids, "meta_info": chunk["meta_info"]})
+            meta = chunk["meta_info"]
+            for key, value in meta.items():
+                if key.endswith("logprobs"):  # incremental lists -> cumulative, like the text
+                    lists.setdefault(key, []).extend(value)
+                    meta[key] = list(lists[key])
+            yield sse({"text": text, "output_ids": ids, "meta_info": meta})
             chunk = await _first(agen)
         yield b"data: [DONE]\n\n"
     finally:

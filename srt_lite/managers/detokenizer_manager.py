@@ -47,6 +47,7 @@ class DetokenizerManager:
             prompt_tokens=msg.prompt_tokens,
             completion_tokens=msg.completion_tokens,
             cached_tokens=msg.cached_tokens,
+            logprobs=msg.logprobs,
         )
         for i, rid in enumerate(msg.rids):
             state = self.states.get(rid)

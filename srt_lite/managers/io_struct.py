@@ -21,6 +21,10 @@ class TokenizedGenerateReqInput:
     input_ids: list[int]
     sampling_params: dict[str, Any]  # SamplingParams fields, verified by the sender
     stream: bool = False
+    return_logprob: bool = False
+    logprob_start_len: int = -1  # first prompt position to return a logprob for; -1: none
+    top_logprobs_num: int = 0
+    token_ids_logprob: list[int] | None = None
 
 
 @dataclass
@@ -69,6 +73,9 @@ class BatchTokenIDOut:
     prompt_tokens: list[int]
     completion_tokens: list[int]
     cached_tokens: list[int]
+    # Per request, None or new logprob entries since the previous message, keyed like SGLang's
+    # meta_info fields ("output_token_logprobs": [[logprob, id], ...], "input_top_logprobs", ...).
+    logprobs: list[dict | None]
     # Detokenization settings, repeated per message so the detokenizer keeps no set-up state.
     skip_special_tokens: list[bool]
     spaces_between_special_tokens: list[bool]
@@ -87,6 +94,7 @@ class BatchStrOut:
     prompt_tokens: list[int]
     completion_tokens: list[int]
     cached_tokens: list[int]
+    logprobs: list[dict | None]
 
 
 @dataclass

@@ -30,6 +30,17 @@ class Req:
     sampling_params: SamplingParams
     stream: bool = False
     output_ids: list[int] = field(default_factory=list)
+    # Seeded requests draw their sampling noise from their own generator.
+    generator: torch.Generator | None = None
+    # logprobs (SGLang request fields)
+    return_logprob: bool = False
+    logprob_start_len: int = -1  # first prompt position with a logprob; -1: none
+    top_logprobs_num: int = 0
+    token_ids_logprob: list[int] | None = None
+    # accumulated logprob results; output ones are sent incrementally like output_ids
+    input_logprobs: dict[str, list] = field(default_factory=dict)
+    output_logprobs: dict[str, list] = field(default_factory=dict)
+    logprobs_sent: int = 0
     # KV state
     req_pool_idx: int | None = None
     kv_len: int = 0
@@ -76,7 +87,7 @@ class ScheduleBatch:
     def is_empty(self) -> bool:
         return not self.reqs
 
-    def to_forward_batch(self, out_cache_loc: torch.Tensor, device: str) -> ForwardBatch:
+    def to_forward_batch(self, out_cache_loc: torch.Tensor, device: str, return_all_logits: bool = False) -> ForwardBatch:
         """Tokens to compute: each request's extend_len tokens after its kv_len."""
         input_ids: list[int] = []
         if self.is_prefill:
@@ -91,4 +102,5 @@ class ScheduleBatch:
             extend_lens=[r.extend_len for r in self.reqs],
             out_cache_loc=out_cache_loc,
             device=device,
+            return_all_logits=return_all_logits,
         )

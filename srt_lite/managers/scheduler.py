@@ -32,10 +32,11 @@ from srt_lite.managers.io_struct import (
 )
 from srt_lite.managers.schedule_batch import Req, ScheduleBatch
 from srt_lite.managers.schedule_policy import PrefillAdder, order_waiting_queue
-from srt_lite.managers.tp_worker import TpModelWorker
+from srt_lite.managers.tp_worker import GenerationResult, TpModelWorker
 from srt_lite.mem_cache.req_kv import ReqKVManager
 from srt_lite.model_config import ModelConfig
 from srt_lite.parser.stop_strings import find_stop
+from srt_lite.sampling.sampling_batch_info import SamplingBatchInfo
 from srt_lite.sampling.sampling_params import SamplingParams
 from srt_lite.server_args import PortArgs, ServerArgs
 from srt_lite.utils import configure_logging, init_child_process, zmq_socket
@@ -71,6 +72,7 @@ class Scheduler:
 
         self.waiting: list[Req] = []
         self.running: list[Req] = []
+        self.running_info: SamplingBatchInfo | None = None  # rows aligned with self.running
         self.chunked_req: Req | None = None
         self.new_token_ratio = INIT_NEW_TOKEN_RATIO
         self.decode_steps = 0
@@ -152,6 +154,13 @@ class Scheduler:
             req = Req(msg.rid, list(msg.input_ids), params, msg.stream)
             return self.reject(req, f"invalid sampling parameters: {e}")
         req = Req(msg.rid, list(msg.input_ids), params, msg.stream)
+        if params.seed is not None:
+            req.generator = torch.Generator(device=self.device)
+            req.generator.manual_seed(params.seed)
+        req.return_logprob = bool(msg.return_logprob)
+        req.logprob_start_len = msg.logprob_start_len
+        req.top_logprobs_num = msg.top_logprobs_num
+        req.token_ids_logprob = msg.token_ids_logprob
         n = len(req.origin_input_ids)
         if n == 0:
             return self.reject(req, "the prompt is empty")
@@ -186,16 +195,15 @@ class Scheduler:
         if self.chunked_req is not None and self.chunked_req.to_abort:
             aborted.append(self.chunked_req)
             self.chunked_req = None
+        self.remove_running(aborted)
         for req in aborted:
-            if req in self.running:
-                self.running.remove(req)
             self.kv.release(req)
             req.finish("abort")
         if aborted:
             self.send_outputs(aborted)
 
     def send_outputs(self, reqs: list[Req]) -> None:
-        out = BatchTokenIDOut([], [], [], [], [], [], [], [], [], [])
+        out = BatchTokenIDOut([], [], [], [], [], [], [], [], [], [], [])
         for r in reqs:
             if not (r.finished or r.stream):
                 continue  # non-streaming requests are sent once, when they finish
@@ -207,12 +215,23 @@ class Scheduler:
             out.prompt_tokens.append(len(r.origin_input_ids))
             out.completion_tokens.append(len(r.output_ids))
             out.cached_tokens.append(r.cached_tokens)
+            out.logprobs.append(self.take_logprobs(r) if r.return_logprob else None)
             out.skip_special_tokens.append(p.skip_special_tokens)
             out.spaces_between_special_tokens.append(p.spaces_between_special_tokens)
             out.stops.append(p.stop or [])
             out.no_stop_trim.append(p.no_stop_trim)
         if out.rids:
             self.send_to_detokenizer.send(io_struct.encode(out))
+
+    @staticmethod
+    def take_logprobs(req: Req) -> dict:
+        """Logprob entries not yet sent: the prompt's once, then the new output ones."""
+        new = {k: v[req.logprobs_sent :] for k, v in req.output_logprobs.items()}
+        req.logprobs_sent = len(req.output_logprobs.get("output_token_logprobs", []))
+        if req.input_logprobs:
+            new.update(req.input_logprobs)
+            req.input_logprobs = {}
+        return new
 
     # ---- batch selection -----------------------------------------------------------------
 
@@ -275,7 +294,8 @@ class Scheduler:
             if self.kv.available() < len(self.running):
                 # One request alone has filled the whole KV cache: it has reached the
                 # longest sequence this server can hold, so it ends as if at its context limit.
-                req = self.running.pop()
+                req = self.running[-1]
+                self.remove_running([req])
                 req.finish("length", length=len(req.output_ids))
                 self.kv.release(req)
                 self.send_outputs([req])
@@ -297,7 +317,7 @@ class Scheduler:
         retracted = []
         while self.kv.available() < len(self.running) and len(self.running) > 1:
             req = order.pop(0)
-            self.running.remove(req)
+            self.remove_running([req])
             self.kv.release(req)
             req.retracted += 1
             self.num_retractions += 1
@@ -315,44 +335,93 @@ class Scheduler:
         self.forward_steps += 1
         if self.crash_at_step and self.forward_steps >= self.crash_at_step:
             raise RuntimeError(f"injected fault at step {self.forward_steps} (SRT_LITE_TEST_CRASH_AT_STEP)")
-        tokens = self.worker.forward_batch_generation(batch, out_cache_loc)
         if batch.is_prefill:
-            self.process_prefill_result(batch, tokens)
+            info = SamplingBatchInfo.from_reqs(batch.reqs, self.model_config.vocab_size, self.device, self.eos_ids)
         else:
-            self.process_decode_result(batch, tokens)
+            info = self.running_info
+        result = self.worker.forward_batch_generation(batch, out_cache_loc, info)
+        if batch.is_prefill:
+            self.process_prefill_result(batch, result, info)
+        else:
+            self.process_decode_result(batch, result)
 
-    def process_prefill_result(self, batch: ScheduleBatch, tokens: list[int]) -> None:
-        done = []
-        for req, tok in zip(batch.reqs, tokens):
+    def process_prefill_result(self, batch: ScheduleBatch, result: GenerationResult, info: SamplingBatchInfo) -> None:
+        tokens = result.sample.next_ids.tolist()
+        done, joining = [], []
+        for row, (req, tok) in enumerate(zip(batch.reqs, tokens)):
             req.kv_len += req.extend_len
+            for key, values in result.input_logprobs.get(row, {}).items():
+                req.input_logprobs.setdefault(key, []).extend(values)
             if req.kv_len < req.seq_len:  # a chunk that did not reach the end of the prompt
                 self.kv.cache_unfinished(req)
                 continue
-            req.output_ids.append(tok)
-            self.check_finish(req)
+            if req.sampling_params.max_new_tokens == 0:
+                req.finish("length", length=0)  # prefill only (e.g. to warm the cache for n > 1)
+            else:
+                req.output_ids.append(tok)
+                self.record_logprobs(req, result, row)
+                self.check_finish(req)
             if req.to_abort:
                 req.finish("abort")
             if req.finished:
                 self.kv.release(req)
             else:
                 self.kv.cache_unfinished(req)
-                self.running.append(req)
+                joining.append(row)
             done.append(req)
+        if joining:
+            info.filter(joining)
+            info.update(result.sample.next_ids[joining])
+            self.add_running([batch.reqs[i] for i in joining], info)
         self.send_outputs(done)
 
-    def process_decode_result(self, batch: ScheduleBatch, tokens: list[int]) -> None:
-        for req, tok in zip(batch.reqs, tokens):
+    def process_decode_result(self, batch: ScheduleBatch, result: GenerationResult) -> None:
+        tokens = result.sample.next_ids.tolist()
+        self.running_info.update(result.sample.next_ids)
+        finished = []
+        for row, (req, tok) in enumerate(zip(batch.reqs, tokens)):
             req.kv_len += 1
             req.output_ids.append(tok)
+            self.record_logprobs(req, result, row)
             self.check_finish(req)
             if req.finished:
-                self.running.remove(req)
+                finished.append(req)
                 self.kv.release(req)
+        self.remove_running(finished)
         self.send_outputs(batch.reqs)
         self.decode_steps += 1
         self.decode_tokens_since_log += len(batch.reqs)
         if self.decode_steps % self.server_args.decode_log_interval == 0:
             self.log_decode()
+
+    @staticmethod
+    def record_logprobs(req: Req, result: GenerationResult, row: int) -> None:
+        if not req.return_logprob or result.sample.logprobs is None:
+            return
+        chosen, top, by_id = result.sample.logprobs[row]
+        lp = req.output_logprobs
+        lp.setdefault("output_token_logprobs", []).append([chosen, req.output_ids[-1]])
+        lp.setdefault("output_top_logprobs", []).append([[v, t] for v, t in top])
+        lp.setdefault("output_token_ids_logprobs", []).append([[v, t] for v, t in by_id] if by_id else None)
+
+    def add_running(self, reqs: list[Req], info: SamplingBatchInfo) -> None:
+        self.running.extend(reqs)
+        if self.running_info is None:
+            self.running_info = info
+        else:
+            self.running_info.merge(info)
+
+    def remove_running(self, reqs: list[Req]) -> None:
+        """Drops reqs from the running batch, keeping the sampling rows aligned."""
+        gone = {id(r) for r in reqs}
+        keep = [i for i, r in enumerate(self.running) if id(r) not in gone]
+        if len(keep) == len(self.running):
+            return
+        self.running = [self.running[i] for i in keep]
+        if not keep:
+            self.running_info = None
+        else:
+            self.running_info.filter(keep)
 
     def check_finish(self, req: Req) -> None:
         p = req.sampling_params

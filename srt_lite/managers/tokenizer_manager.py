@@ -5,6 +5,7 @@ detokenizer's text deltas into per-request async streams."""
 from __future__ import annotations
 
 import asyncio
+import dataclasses
 import logging
 import time
 import uuid
@@ -36,6 +37,49 @@ class RequestError(ValueError):
     """A request that cannot be served as sent; the message is shown to the client (400)."""
 
 
+@dataclass(frozen=True)
+class LogprobOptions:
+    """SGLang's logprob request fields."""
+
+    return_logprob: bool = False
+    logprob_start_len: int = -1
+    top_logprobs_num: int = 0
+    token_ids_logprob: list[int] | None = None
+    return_text_in_logprobs: bool = False
+
+    @classmethod
+    def from_body(cls, body: dict) -> "LogprobOptions":
+        opts = cls(
+            return_logprob=body.get("return_logprob", False),
+            logprob_start_len=body.get("logprob_start_len", -1),
+            top_logprobs_num=body.get("top_logprobs_num", 0) or 0,
+            token_ids_logprob=body.get("token_ids_logprob"),
+            return_text_in_logprobs=body.get("return_text_in_logprobs", False),
+        )
+        opts.verify()
+        return opts
+
+    def verify(self, vocab_size: int | None = None) -> None:
+        for name in ("return_logprob", "return_text_in_logprobs"):
+            if not isinstance(getattr(self, name), bool):
+                raise RequestError(f"{name} must be a boolean")
+        for name, lo in (("logprob_start_len", -1), ("top_logprobs_num", 0)):
+            v = getattr(self, name)
+            if isinstance(v, bool) or not isinstance(v, int) or v < lo:
+                raise RequestError(f"{name} must be an integer >= {lo}")
+        if self.top_logprobs_num > 1000:
+            raise RequestError("top_logprobs_num must be <= 1000")
+        ids = self.token_ids_logprob
+        if ids is not None:
+            if not isinstance(ids, list) or not all(isinstance(t, int) and not isinstance(t, bool) and t >= 0 for t in ids):
+                raise RequestError("token_ids_logprob must be a list of token ids")
+            if vocab_size is not None and any(t >= vocab_size for t in ids):
+                raise RequestError("token_ids_logprob contains an id outside the vocabulary")
+
+
+NO_LOGPROBS = LogprobOptions()
+
+
 @dataclass
 class ReqState:
     rid: str
@@ -49,6 +93,9 @@ class ReqState:
     finished_reason: dict | None = None
     completion_tokens: int = 0
     cached_tokens: int = 0
+    logprobs: dict[str, list] = field(default_factory=dict)
+    logprobs_sent: dict[str, int] = field(default_factory=dict)
+    logprob_opts: LogprobOptions = NO_LOGPROBS
 
 
 class TokenizerManager:
@@ -102,6 +149,9 @@ class TokenizerManager:
             state.output_ids.extend(msg.new_ids[i])
             state.completion_tokens = msg.completion_tokens[i]
             state.cached_tokens = msg.cached_tokens[i]
+            if msg.logprobs[i]:
+                for key, values in msg.logprobs[i].items():
+                    state.logprobs.setdefault(key, []).extend(values)
             if msg.finished_reasons[i] is not None:
                 state.finished_reason = msg.finished_reasons[i]
             state.event.set()
@@ -155,6 +205,7 @@ class TokenizerManager:
         params: SamplingParams,
         stream: bool = False,
         rid: str | None = None,
+        logprobs: LogprobOptions = NO_LOGPROBS,
     ) -> AsyncIterator[dict]:
         """Yields output dicts: for a stream, one per arriving delta (`text` and `output_ids`
         hold the new part only); otherwise one dict with the whole result. Closing the
@@ -164,9 +215,16 @@ class TokenizerManager:
         rid = rid or uuid.uuid4().hex
         if rid in self.rid_to_state:
             raise RequestError(f"duplicate request id {rid}")
-        state = ReqState(rid=rid, prompt_tokens=len(input_ids), created=time.perf_counter())
+        logprobs.verify(self.info.vocab_size)
+        state = ReqState(rid=rid, prompt_tokens=len(input_ids), created=time.perf_counter(), logprob_opts=logprobs)
         self.rid_to_state[rid] = state
-        msg = TokenizedGenerateReqInput(rid, input_ids, params.to_dict(), stream)
+        msg = TokenizedGenerateReqInput(
+            rid, input_ids, params.to_dict(), stream,
+            return_logprob=logprobs.return_logprob,
+            logprob_start_len=logprobs.logprob_start_len,
+            top_logprobs_num=logprobs.top_logprobs_num,
+            token_ids_logprob=logprobs.token_ids_logprob,
+        )
         try:
             await self.send_to_scheduler.send(io_struct.encode(msg))
             while True:
@@ -190,18 +248,64 @@ class TokenizerManager:
             state.text_sent, state.ids_sent = len(state.text), len(state.output_ids)
         else:
             text, ids = state.text, list(state.output_ids)
-        return {
-            "text": text,
-            "output_ids": ids,
-            "meta_info": {
-                "id": state.rid,
-                "prompt_tokens": state.prompt_tokens,
-                "completion_tokens": state.completion_tokens,
-                "cached_tokens": state.cached_tokens,
-                "finish_reason": state.finished_reason,
-                "e2e_latency": time.perf_counter() - state.created,
-            },
+        meta = {
+            "id": state.rid,
+            "prompt_tokens": state.prompt_tokens,
+            "completion_tokens": state.completion_tokens,
+            "cached_tokens": state.cached_tokens,
+            "finish_reason": state.finished_reason,
+            "e2e_latency": time.perf_counter() - state.created,
         }
+        if state.logprob_opts.return_logprob:
+            meta.update(self._logprob_fields(state, incremental))
+        return {"text": text, "output_ids": ids, "meta_info": meta}
+
+    _LOGPROB_KEYS = (
+        "input_token_logprobs", "input_top_logprobs", "input_token_ids_logprobs",
+        "output_token_logprobs", "output_top_logprobs", "output_token_ids_logprobs",
+    )
+
+    def _logprob_fields(self, state: ReqState, incremental: bool) -> dict[str, list]:
+        """SGLang's layout: entries are (logprob, token_id, text or None); top / token-id
+        entries are lists of those (or None where a position has none)."""
+        with_text = state.logprob_opts.return_text_in_logprobs
+        out = {}
+        for key in self._LOGPROB_KEYS:
+            values = state.logprobs.get(key, [])
+            if incremental:
+                start = state.logprobs_sent.get(key, 0)
+                state.logprobs_sent[key] = len(values)
+                values = values[start:]
+            if key.endswith("token_logprobs"):
+                out[key] = [self._lp_entry(e, with_text) for e in values]
+            else:
+                out[key] = [None if e is None else [self._lp_entry(x, with_text) for x in e] for e in values]
+        return out
+
+    def _lp_entry(self, entry: list, with_text: bool) -> tuple:
+        logprob, tid = entry
+        return (logprob, tid, self.tokenizer.decode([tid]) if with_text else None)
+
+    async def generate_n(
+        self, input_ids: list[int], params: SamplingParams, logprobs: LogprobOptions = NO_LOGPROBS
+    ) -> list[dict]:
+        """The `n` completions of one prompt. For n > 1 the prompt is prefilled once first
+        (max_new_tokens=0), so every completion starts from its cached KV. With a seed,
+        completion i uses seed + i (distinct, reproducible samples)."""
+        n = params.n
+        if n > 1:
+            warm = dataclasses.replace(params, n=1, max_new_tokens=0, min_new_tokens=0)
+            async for _ in self.generate(input_ids, warm):
+                pass
+
+        async def one(i: int) -> dict:
+            p = dataclasses.replace(params, n=1, seed=None if params.seed is None else params.seed + i)
+            out = None
+            async for out in self.generate(input_ids, p, logprobs=logprobs):
+                pass
+            return out
+
+        return list(await asyncio.gather(*(one(i) for i in range(n))))
 
     async def abort(self, rid: str) -> None:
         self._ensure_started()

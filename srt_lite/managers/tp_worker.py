@@ -2,14 +2,23 @@
 
 from __future__ import annotations
 
+from dataclasses import dataclass
+
 import torch
 
-from srt_lite.managers.schedule_batch import ScheduleBatch
+from srt_lite.managers.schedule_batch import Req, ScheduleBatch
 from srt_lite.model_config import ModelConfig
 from srt_lite.model_executor.model_runner import ModelRunner
-from srt_lite.sampling.sampler import Sampler
+from srt_lite.sampling.sampler import LogprobRequest, Sampler, SampleOutput, gather_logprobs
 from srt_lite.sampling.sampling_batch_info import SamplingBatchInfo
 from srt_lite.server_args import ServerArgs
+
+
+@dataclass
+class GenerationResult:
+    sample: SampleOutput
+    # row -> prompt logprob entries computed in this step (prefill with logprob_start_len)
+    input_logprobs: dict[int, dict[str, list]]
 
 
 class TpModelWorker:
@@ -19,10 +28,60 @@ class TpModelWorker:
         self.vocab_size = model_config.vocab_size
         self.sampler = Sampler(server_args.random_seed, self.device)
 
-    def forward_batch_generation(self, batch: ScheduleBatch, out_cache_loc: torch.Tensor) -> list[int]:
-        """Runs the batch and returns one sampled token per request (meaningless for a
-        request whose prefill chunk does not reach the end of its prompt)."""
-        fb = batch.to_forward_batch(out_cache_loc, self.device)
-        logits = self.model_runner.forward(fb).next_token_logits
-        info = SamplingBatchInfo.from_reqs(batch.reqs, self.vocab_size, self.device)
-        return self.sampler(logits, info).tolist()
+    def forward_batch_generation(
+        self, batch: ScheduleBatch, out_cache_loc: torch.Tensor, info: SamplingBatchInfo
+    ) -> GenerationResult:
+        """Runs the batch and samples one token per request (meaningless for a request whose
+        prefill chunk does not reach the end of its prompt)."""
+        prompt_rows = [i for i, r in enumerate(batch.reqs) if batch.is_prefill and wants_input_logprobs(r)]
+        fb = batch.to_forward_batch(out_cache_loc, self.device, return_all_logits=bool(prompt_rows))
+        out = self.model_runner.forward(fb)
+        sample = self.sampler(out.next_token_logits, info, logprob_request(batch.reqs))
+        input_logprobs = {}
+        if prompt_rows:
+            input_logprobs = self.input_logprobs(batch, prompt_rows, out.all_logits)
+        return GenerationResult(sample, input_logprobs)
+
+    @staticmethod
+    def input_logprobs(batch: ScheduleBatch, rows: list[int], all_logits: torch.Tensor) -> dict[int, dict[str, list]]:
+        """Logprob of each prompt token given the tokens before it: the token at position t
+        is scored by the logits at position t - 1 (so position 0 has none)."""
+        starts = [0]
+        for r in batch.reqs:
+            starts.append(starts[-1] + r.extend_len)
+        result = {}
+        for row in rows:
+            req = batch.reqs[row]
+            n_prompt = len(req.origin_input_ids)
+            first = max(req.logprob_start_len, 1)  # first scored prompt position
+            # This chunk's logits score positions kv_len + 1 .. kv_len + extend_len.
+            lo = max(first, req.kv_len + 1)
+            hi = min(n_prompt, req.kv_len + req.extend_len + 1)
+            entry: dict[str, list] = {"input_token_logprobs": [], "input_top_logprobs": [], "input_token_ids_logprobs": []}
+            if req.logprob_start_len == 0 and req.kv_len == 0:
+                entry["input_token_logprobs"].append([None, req.origin_input_ids[0]])
+                entry["input_top_logprobs"].append(None)
+                entry["input_token_ids_logprobs"].append(None)
+            if lo < hi:
+                logprobs = torch.log_softmax(all_logits[starts[row] + lo - 1 - req.kv_len : starts[row] + hi - 1 - req.kv_len], -1)
+                targets = torch.tensor(req.origin_input_ids[lo:hi], device=logprobs.device)
+                lreq = LogprobRequest(
+                    list(range(hi - lo)), [req.top_logprobs_num] * (hi - lo), [req.token_ids_logprob] * (hi - lo)
+                )
+                for j, (chosen, top, by_id) in sorted(gather_logprobs(logprobs, targets, lreq).items()):
+                    entry["input_token_logprobs"].append([chosen, req.origin_input_ids[lo + j]])
+                    entry["input_top_logprobs"].append([[v, t] for v, t in top])
+                    entry["input_token_ids_logprobs"].append([[v, t] for v, t in by_id] if by_id else None)
+            result[row] = entry
+        return result
+
+
+def wants_input_logprobs(req: Req) -> bool:
+    return req.return_logprob and 0 <= req.logprob_start_len < len(req.origin_input_ids) and not req.output_ids
+
+
+def logprob_request(reqs: list[Req]) -> LogprobRequest | None:
+    rows = [i for i, r in enumerate(reqs) if r.return_logprob]
+    if not rows:
+        return None
+    return LogprobRequest(rows, [reqs[i].top_logprobs_num for i in rows], [reqs[i].token_ids_logprob for i in rows])

@@ -108,7 +108,12 @@ class ReqKVManager:
     @staticmethod
     def _match_key(req: Req) -> list[int]:
         # Leave at least one token to compute: its logits give the next token.
-        return req.fill_ids[:-1]
+        key = req.fill_ids[:-1]
+        if req.return_logprob and req.logprob_start_len >= 0 and not req.output_ids:
+            # Prompt logprobs need logits from position logprob_start_len - 1 on, so the
+            # cached part may not reach past it.
+            key = key[: max(req.logprob_start_len - 1, 0)]
+        return key
 
     # ---- accounting ------------------------------------------------------------------
 

@@ -1,8 +1,14 @@
-"""SamplingBatchInfo: the sampling parameters of a batch as tensors, one row per request."""
+"""SamplingBatchInfo: the sampling parameters of a batch as tensors, one row per request.
+
+The running (decode) batch keeps one instance for its whole life: `filter` drops the rows of
+finished requests and `merge` appends newly prefilled ones, so nothing is rebuilt per step.
+Penalty state is incremental: `update` adds each step's sampled tokens to the counts.
+Optional tensors (logit_bias, penalties, min-token bans) exist only while some row needs them.
+"""
 
 from __future__ import annotations
 
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from typing import TYPE_CHECKING
 
 import torch
@@ -13,25 +19,140 @@ if TYPE_CHECKING:
 
 @dataclass
 class SamplingBatchInfo:
+    vocab_size: int
+    device: str
     temperatures: torch.Tensor  # [B, 1] float32 (1.0 on greedy rows, unused there)
     top_ps: torch.Tensor  # [B] float32
     top_ks: torch.Tensor  # [B] int64, vocab size when disabled
+    min_ps: torch.Tensor  # [B] float32
     is_greedy: torch.Tensor  # [B] bool
-    all_greedy: bool
-    need_top_k_top_p: bool
+    # Per-request generators for seeded rows (None elsewhere); they live on the Req, so a
+    # request draws the same noise whoever shares its batch, and across retraction.
+    generators: list[torch.Generator | None]
+    logit_bias: torch.Tensor | None = None  # [B, V] float32
+    # min_new_tokens: rows with min_tokens_left > 0 cannot produce their stop ids yet.
+    min_tokens_left: torch.Tensor | None = None  # [B] int64
+    min_tokens_ban: torch.Tensor | None = None  # [B, V] bool, the ids each row may not end with
+    # Penalties (vLLM semantics): repetition over prompt and output tokens, frequency and
+    # presence over output tokens.
+    rep_penalties: torch.Tensor | None = None  # [B, 1] float32
+    freq_penalties: torch.Tensor | None = None  # [B, 1] float32
+    pres_penalties: torch.Tensor | None = None  # [B, 1] float32
+    output_counts: torch.Tensor | None = None  # [B, V] float32, occurrences in the output
+    prompt_mask: torch.Tensor | None = None  # [B, V] bool, token appears in the prompt
+    flags: dict = field(default_factory=dict)
+
+    # ---- construction ------------------------------------------------------------------
 
     @classmethod
-    def from_reqs(cls, reqs: list["Req"], vocab_size: int, device: str) -> "SamplingBatchInfo":
+    def from_reqs(cls, reqs: list["Req"], vocab_size: int, device: str, eos_ids: set[int]) -> "SamplingBatchInfo":
         params = [r.sampling_params for r in reqs]
         greedy = [p.is_greedy for p in params]
-        temps = [1.0 if g else p.temperature for p, g in zip(params, greedy)]
-        top_ks = [vocab_size if p.top_k == -1 else min(p.top_k, vocab_size) for p in params]
-        top_ps = [p.top_p for p in params]
-        return cls(
-            temperatures=torch.tensor(temps, dtype=torch.float32, device=device).unsqueeze(1),
-            top_ps=torch.tensor(top_ps, dtype=torch.float32, device=device),
-            top_ks=torch.tensor(top_ks, dtype=torch.int64, device=device),
-            is_greedy=torch.tensor(greedy, dtype=torch.bool, device=device),
-            all_greedy=all(greedy),
-            need_top_k_top_p=any(k < vocab_size for k in top_ks) or any(p < 1.0 for p in top_ps),
+        B, V = len(reqs), vocab_size
+
+        def col(values, dtype) -> torch.Tensor:
+            return torch.tensor(values, dtype=dtype, device=device)
+
+        info = cls(
+            vocab_size=V,
+            device=device,
+            temperatures=col([1.0 if g else p.temperature for p, g in zip(params, greedy)], torch.float32).unsqueeze(1),
+            top_ps=col([p.top_p for p in params], torch.float32),
+            top_ks=col([V if p.top_k == -1 else min(p.top_k, V) for p in params], torch.int64),
+            min_ps=col([p.min_p for p in params], torch.float32),
+            is_greedy=col(greedy, torch.bool),
+            generators=[r.generator for r in reqs],
         )
+        if any(p.logit_bias for p in params):
+            info.logit_bias = torch.zeros(B, V, dtype=torch.float32, device=device)
+            for i, p in enumerate(params):
+                for tid, bias in (p.logit_bias or {}).items():
+                    info.logit_bias[i, int(tid)] = float(bias)
+        left = [max(p.min_new_tokens - len(r.output_ids), 0) for p, r in zip(params, reqs)]
+        if any(left):
+            info.min_tokens_left = col(left, torch.int64)
+            info.min_tokens_ban = torch.zeros(B, V, dtype=torch.bool, device=device)
+            for i, p in enumerate(params):
+                if left[i]:
+                    banned = set(p.stop_token_ids or []) | (set() if p.ignore_eos else eos_ids)
+                    info.min_tokens_ban[i, list(banned)] = True
+        if any(p.repetition_penalty != 1.0 or p.frequency_penalty or p.presence_penalty for p in params):
+            info.rep_penalties = col([p.repetition_penalty for p in params], torch.float32).unsqueeze(1)
+            info.freq_penalties = col([p.frequency_penalty for p in params], torch.float32).unsqueeze(1)
+            info.pres_penalties = col([p.presence_penalty for p in params], torch.float32).unsqueeze(1)
+            # Counted once here from the request's history (it may be a resumed request);
+            # from then on `update` keeps them current.
+            info.output_counts = torch.zeros(B, V, dtype=torch.float32, device=device)
+            info.prompt_mask = torch.zeros(B, V, dtype=torch.bool, device=device)
+            for i, r in enumerate(reqs):
+                if r.output_ids:
+                    ids = torch.tensor(r.output_ids, dtype=torch.int64, device=device)
+                    info.output_counts[i].index_add_(0, ids, torch.ones(len(ids), device=device))
+                info.prompt_mask[i, r.origin_input_ids] = True
+        info._refresh_flags()
+        return info
+
+    def _refresh_flags(self) -> None:
+        self.all_greedy = bool(self.is_greedy.all())
+        self.need_top_k_top_p = bool((self.top_ks < self.vocab_size).any() or (self.top_ps < 1.0).any())
+        self.need_min_p = bool((self.min_ps > 0).any())
+        self.has_seeded = any(g is not None for g in self.generators)
+        self.needs_adjustment = (
+            self.logit_bias is not None or self.min_tokens_left is not None or self.output_counts is not None
+        )
+
+    @property
+    def batch_size(self) -> int:
+        return int(self.temperatures.shape[0])
+
+    # ---- keeping rows aligned with the batch's requests ---------------------------------
+
+    _ROW_TENSORS = (
+        "temperatures", "top_ps", "top_ks", "min_ps", "is_greedy", "logit_bias", "min_tokens_left",
+        "min_tokens_ban", "rep_penalties", "freq_penalties", "pres_penalties", "output_counts", "prompt_mask",
+    )
+    # Value of an absent optional tensor's rows when merging with a batch that has it.
+    _NEUTRAL = {
+        "logit_bias": 0.0, "min_tokens_left": 0, "min_tokens_ban": False, "rep_penalties": 1.0,
+        "freq_penalties": 0.0, "pres_penalties": 0.0, "output_counts": 0.0, "prompt_mask": False,
+    }
+
+    def filter(self, keep: list[int]) -> None:
+        """Keeps rows `keep` (in that order)."""
+        idx = torch.tensor(keep, dtype=torch.int64, device=self.device)
+        for name in self._ROW_TENSORS:
+            t = getattr(self, name)
+            if t is not None:
+                setattr(self, name, t[idx])
+        self.generators = [self.generators[i] for i in keep]
+        if self.min_tokens_left is not None and not bool(self.min_tokens_left.any()):
+            self.min_tokens_left = self.min_tokens_ban = None
+        self._refresh_flags()
+
+    def merge(self, other: "SamplingBatchInfo") -> None:
+        """Appends other's rows after ours."""
+        mine, theirs = self.batch_size, other.batch_size  # before any tensor grows
+        for name in self._ROW_TENSORS:
+            a, b = getattr(self, name), getattr(other, name)
+            if a is None and b is None:
+                continue
+            if a is None:
+                a = self._neutral(name, b, mine)
+            if b is None:
+                b = self._neutral(name, a, theirs)
+            setattr(self, name, torch.cat([a, b]))
+        self.generators = self.generators + other.generators
+        self._refresh_flags()
+
+    @classmethod
+    def _neutral(cls, name: str, like: torch.Tensor, rows: int) -> torch.Tensor:
+        return torch.full((rows, *like.shape[1:]), cls._NEUTRAL[name], dtype=like.dtype, device=like.device)
+
+    def update(self, next_ids: torch.Tensor) -> None:
+        """After a step: count each row's new token (penalties) and advance min_new_tokens."""
+        if self.output_counts is not None:
+            self.output_counts.scatter_add_(
+                1, next_ids.view(-1, 1), torch.ones(len(next_ids), 1, device=self.device)
+            )
+        if self.min_tokens_left is not None:
+            self.min_tokens_left.sub_(1).clamp_(min=0)

@@ -1,0 +1,40 @@
+"""Logit adjustments applied before temperature: bias, min-token bans and penalties."""
+
+from __future__ import annotations
+
+import torch
+
+from srt_lite.sampling.sampling_batch_info import SamplingBatchInfo
+
+
+def apply_logit_adjustments(logits: torch.Tensor, info: SamplingBatchInfo) -> torch.Tensor:
+    """logits [B, V] float32, modified in place and returned."""
+    if info.logit_bias is not None:
+        logits += info.logit_bias
+    if info.min_tokens_left is not None:
+        active = (info.min_tokens_left > 0).unsqueeze(1) & info.min_tokens_ban
+        logits.masked_fill_(active, float("-inf"))
+    if info.output_counts is not None:
+        apply_penalties(
+            logits, info.output_counts, info.prompt_mask,
+            info.rep_penalties, info.freq_penalties, info.pres_penalties,
+        )
+    return logits
+
+
+def apply_penalties(
+    logits: torch.Tensor,  # [B, V]
+    output_counts: torch.Tensor,  # [B, V] float
+    prompt_mask: torch.Tensor,  # [B, V] bool
+    rep: torch.Tensor,  # [B, 1]
+    freq: torch.Tensor,  # [B, 1]
+    pres: torch.Tensor,  # [B, 1]
+) -> None:
+    """vLLM's formulas. Repetition (CTRL): a seen token's logit is divided by the penalty
+    when positive, multiplied when negative. Frequency: minus penalty * count. Presence:
+    minus penalty once if the token occurred. The latter two count output tokens only."""
+    seen = prompt_mask | (output_counts > 0)
+    scaled = torch.where(logits > 0, logits / rep, logits * rep)
+    logits.copy_(torch.where(seen, scaled, logits))
+    logits -= freq * output_counts
+    logits -= pres * (output_counts > 0).float()
