@@ -8,7 +8,7 @@ import torch
 
 from srt_lite.managers.schedule_batch import Req
 from srt_lite.sampling.penalties import apply_penalties
-from srt_lite.sampling.sampler import LogprobRequest, Sampler, top_k_top_p_filter
+from srt_lite.sampling.sampler import LogprobRequest, Sampler, top_k_top_p_candidates, top_k_top_p_filter
 from srt_lite.sampling.sampling_batch_info import SamplingBatchInfo
 from srt_lite.sampling.sampling_params import SamplingParams
 
@@ -53,6 +53,26 @@ def test_batched_top_k_top_p_equals_row_by_row():
         ref = reference_top_k_top_p_row(probs[b], int(ks[b]), float(ps[b]))
         assert torch.equal(got[b] > 0, ref > 0), b
         assert torch.equal(got[b], ref), b
+
+
+def test_candidate_path_equals_row_by_row_where_it_claims_exactness():
+    g = torch.Generator().manual_seed(1)
+    B = 10
+    probs = torch.softmax(torch.randn(B, V, generator=g) * torch.tensor([[4.0]] * 5 + [[0.3]] * 5), dim=-1)
+    ks = torch.tensor([5, V, 50, V, 999, V, 3, V, 600, V])
+    ps = torch.tensor([0.9, 0.8, 1.0, 0.5, 0.95, 0.9, 1.0, 0.99, 0.4, 0.2])
+    vals, idx, ok = top_k_top_p_candidates(probs, ks, ps, k=200)
+    for b in range(B):
+        ref = reference_top_k_top_p_row(probs[b], int(ks[b]), float(ps[b]))
+        if not ok[b]:
+            assert (ref > 0).sum() > 200 or ks[b] > 200  # it only declines rows it cannot do
+            continue
+        got = torch.zeros(V)
+        got[idx[b]] = vals[b]
+        assert torch.equal(got > 0, ref > 0), b
+    assert ok[:4].all()  # peaked rows fit in 200 candidates
+    assert not ok[4]  # top_k 999 > 200: its top-k mass needs the full sort
+    assert not ok[5]  # a flat row's 90% nucleus does not
 
 
 def test_exponential_race_matches_probabilities():

@@ -15,10 +15,19 @@ def apply_logit_adjustments(logits: torch.Tensor, info: SamplingBatchInfo) -> to
         active = (info.min_tokens_left > 0).unsqueeze(1) & info.min_tokens_ban
         logits.masked_fill_(active, float("-inf"))
     if info.output_counts is not None:
-        apply_penalties(
-            logits, info.output_counts, info.prompt_mask,
-            info.rep_penalties, info.freq_penalties, info.pres_penalties,
-        )
+        rows = info.penalized_rows
+        if rows.numel() == logits.shape[0]:
+            apply_penalties(
+                logits, info.output_counts, info.prompt_mask,
+                info.rep_penalties, info.freq_penalties, info.pres_penalties,
+            )
+        elif rows.numel():
+            sub = logits[rows]
+            apply_penalties(
+                sub, info.output_counts[rows], info.prompt_mask[rows],
+                info.rep_penalties[rows], info.freq_penalties[rows], info.pres_penalties[rows],
+            )
+            logits[rows] = sub
     return logits
 
 

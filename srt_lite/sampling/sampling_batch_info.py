@@ -97,6 +97,9 @@ class SamplingBatchInfo:
         self.need_top_k_top_p = bool((self.top_ks < self.vocab_size).any() or (self.top_ps < 1.0).any())
         self.need_min_p = bool((self.min_ps > 0).any())
         self.has_seeded = any(g is not None for g in self.generators)
+        if self.output_counts is not None:
+            active = (self.rep_penalties != 1.0) | (self.freq_penalties != 0) | (self.pres_penalties != 0)
+            self.penalized_rows = active.squeeze(1).nonzero().squeeze(1)
         self.needs_adjustment = (
             self.logit_bias is not None or self.min_tokens_left is not None or self.output_counts is not None
         )
