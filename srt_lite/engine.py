@@ -49,8 +49,9 @@ class Engine:
     def _run(self, coro) -> Any:
         return asyncio.run_coroutine_threadsafe(coro, self.loop).result()
 
-    def _prepare(self, prompt, sampling_params, input_ids) -> tuple[list[list[int]], list, bool]:
+    def _prepare(self, prompt, sampling_params, input_ids, stream: bool) -> tuple[list[list[int]], list, bool]:
         """Normalises single/batch inputs to lists of token ids and of SamplingParams."""
+        self._check_alive()
         tm = self.tokenizer_manager
         if (prompt is None) == (input_ids is None):
             raise RequestError("give exactly one of prompt or input_ids")
@@ -69,6 +70,8 @@ class Engine:
             params = [tm.make_sampling_params(p) for p in sampling_params]
         else:
             params = [tm.make_sampling_params(sampling_params)] * len(ids)
+        if stream and (is_batch or params[0].n > 1):
+            raise RequestError("stream=True takes a single prompt with n == 1")
         return ids, params, is_batch
 
     async def _run_all(self, ids: list[list[int]], params: list, logprobs: LogprobOptions) -> list[dict]:
@@ -95,21 +98,14 @@ class Engine:
         """Returns a dict (one prompt, n == 1), a list of dicts (a batch, or n > 1: the n
         completions of each prompt in turn), or with stream=True an iterator of incremental
         chunks (`text` holds only the new text)."""
-        self._check_alive()
-        ids, params, is_batch = self._prepare(prompt, sampling_params, input_ids)
         logprobs = LogprobOptions(
             return_logprob, logprob_start_len, top_logprobs_num, token_ids_logprob, return_text_in_logprobs
         )
+        ids, params, is_batch = self._prepare(prompt, sampling_params, input_ids, stream)
         if stream:
-            self._check_streamable(is_batch, params)
             return self._stream(ids[0], params[0], logprobs)
         outs = self._run(self._run_all(ids, params, logprobs))
         return outs if is_batch or params[0].n > 1 else outs[0]
-
-    @staticmethod
-    def _check_streamable(is_batch: bool, params: list) -> None:
-        if is_batch or params[0].n > 1:
-            raise RequestError("stream=True takes a single prompt with n == 1")
 
     def _stream(self, ids: list[int], params, logprobs: LogprobOptions) -> Iterator[dict]:
         agen = self.tokenizer_manager.generate(ids, params, stream=True, logprobs=logprobs)
@@ -135,13 +131,12 @@ class Engine:
         token_ids_logprob: list[int] | None = None,
         return_text_in_logprobs: bool = False,
     ) -> dict | list[dict] | AsyncIterator[dict]:
-        self._check_alive()
-        ids, params, is_batch = self._prepare(prompt, sampling_params, input_ids)
+        """The awaitable form of `generate` (same arguments and results)."""
         logprobs = LogprobOptions(
             return_logprob, logprob_start_len, top_logprobs_num, token_ids_logprob, return_text_in_logprobs
         )
+        ids, params, is_batch = self._prepare(prompt, sampling_params, input_ids, stream)
         if stream:
-            self._check_streamable(is_batch, params)
             return self._async_stream(ids[0], params[0], logprobs)
         fut = asyncio.run_coroutine_threadsafe(self._run_all(ids, params, logprobs), self.loop)
         outs = await asyncio.wrap_future(fut)

@@ -13,6 +13,18 @@ from srt_lite.model_loader.default_model import resolve_model_path  # noqa: E402
 
 torch.manual_seed(0)
 
+# Short raw prompts shared by the engine and scheduler tests.
+PROMPTS = [
+    "Hello, my name is",
+    "The capital of France is",
+    "def add(a, b):",
+    "Once upon a time,",
+    "List three colors:",
+    "The meaning of life is",
+    "In 1492, Columbus",
+    "Water boils at",
+]
+
 
 @pytest.fixture(scope="session")
 def default_model_dir() -> str:

@@ -8,19 +8,9 @@ import time
 
 import pytest
 
-from conftest import wait_idle
+from conftest import PROMPTS, wait_idle
 from srt_lite.managers.tokenizer_manager import RequestError
 
-PROMPTS = [
-    "Hello, my name is",
-    "The capital of France is",
-    "def add(a, b):",
-    "Once upon a time,",
-    "List three colors:",
-    "The meaning of life is",
-    "In 1492, Columbus",
-    "Water boils at",
-]
 GREEDY = {"max_new_tokens": 24, "temperature": 0, "ignore_eos": True}
 
 

@@ -5,19 +5,9 @@ from __future__ import annotations
 
 import pytest
 
-from conftest import wait_idle
+from conftest import PROMPTS, wait_idle
 from srt_lite import Engine
 
-PROMPTS = [
-    "Hello, my name is",
-    "The capital of France is",
-    "def add(a, b):",
-    "Once upon a time,",
-    "List three colors:",
-    "The meaning of life is",
-    "In 1492, Columbus",
-    "Water boils at",
-]
 LONG = "Here is a long story about a river that runs through a valley. " * 6 + "The river"
 PARAMS = {"max_new_tokens": 40, "temperature": 0, "ignore_eos": True}
 
