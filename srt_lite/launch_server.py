@@ -46,7 +46,10 @@ def launch_server(server_args: ServerArgs) -> int:
     loop = asyncio.new_event_loop()
     try:
         tm = TokenizerManager(server_args, launch.port_args, launch.model_dir, launch.info)
-        state = ServerState(tm, launch.model_dir, served_name(server_args, launch.model_dir))
+        from srt_lite.model_config import ModelConfig
+
+        defaults = ModelConfig.load(launch.model_dir).generation_defaults
+        state = ServerState(tm, launch.model_dir, served_name(server_args, launch.model_dir), defaults)
         app = build_app(state)
         config = uvicorn.Config(
             app,

@@ -8,6 +8,7 @@ from __future__ import annotations
 
 import argparse
 import dataclasses
+import os
 from dataclasses import dataclass, field
 from typing import Any
 
@@ -47,6 +48,18 @@ class ServerArgs:
     # HTTP server
     host: str = _arg("127.0.0.1", "Address to bind.", "HTTP server")
     port: int = _arg(30000, "Port to bind.", "HTTP server")
+    api_key: str | None = _arg(
+        None, "Require `Authorization: Bearer <key>` on every endpoint except /health.", "HTTP server"
+    )
+    chat_template: str | None = _arg(
+        None, "A Jinja chat template file that replaces the model's own.", "HTTP server"
+    )
+    reasoning_parser: str | None = _arg(
+        None, "Split <think>...</think> into reasoning_content.", "HTTP server", choices=["qwen3", "deepseek-r1"]
+    )
+    enable_cache_report: bool = _arg(
+        False, "Report prefix-cache hits in usage.prompt_tokens_details.cached_tokens.", "HTTP server"
+    )
     # Memory and scheduling
     mem_fraction_static: float | None = _arg(
         None,
@@ -107,6 +120,8 @@ class ServerArgs:
             raise ValueError("--context-length must be >= 2")
         if not 0 < self.port < 65536:
             raise ValueError("--port must be in 1..65535")
+        if self.chat_template is not None and not os.path.isfile(self.chat_template):
+            raise ValueError(f"--chat-template file not found: {self.chat_template}")
 
     # ---- command line ------------------------------------------------------------------
 

@@ -23,10 +23,14 @@ from srt_lite.managers.tokenizer_manager import LogprobOptions, RequestError, To
 logger = logging.getLogger(__name__)
 
 
-def error_response(message: str, status: int = 400, err_type: str | None = None, param: str | None = None) -> JSONResponse:
+def error_response(
+    message: str, status: int = 400, err_type: str | None = None, param: str | None = None, code: Any = None
+) -> JSONResponse:
+    """The OpenAI error body: {"error": {"message", "type", "param", "code"}}."""
     err_type = err_type or ("BadRequestError" if status == 400 else HTTPStatus(status).phrase.replace(" ", ""))
     return JSONResponse(
-        {"error": {"message": message, "type": err_type, "param": param, "code": status}}, status_code=status
+        {"error": {"message": message, "type": err_type, "param": param, "code": code if code is not None else status}},
+        status_code=status,
     )
 
 
@@ -47,13 +51,52 @@ def sse(obj: Any) -> bytes:
 
 
 class ServerState:
-    """What the endpoints share: the manager, the launch info, and liveness."""
+    """What the endpoints share: the manager, the launch info, options, and liveness."""
 
-    def __init__(self, tokenizer_manager: TokenizerManager, model_dir: str, served_model_name: str):
+    def __init__(
+        self,
+        tokenizer_manager: TokenizerManager,
+        model_dir: str,
+        served_model_name: str,
+        generation_defaults: dict | None = None,
+    ):
+        args = tokenizer_manager.server_args
         self.tm = tokenizer_manager
         self.model_dir = model_dir
         self.served_model_name = served_model_name
+        # Names a request's `model` may use: the served name and the path it was started with.
+        self.model_names = {served_model_name, model_dir} | ({args.model_path} if args.model_path else set())
+        self.generation_defaults = generation_defaults or {}
+        self.reasoning_parser = args.reasoning_parser
+        self.enable_cache_report = args.enable_cache_report
+        self.api_key = args.api_key
+        self.chat_template = open(args.chat_template).read() if args.chat_template else None
         self.dead: str | None = None
+
+    @staticmethod
+    def json(obj: Any, status: int = 200) -> Response:
+        return orjson_response(obj, status)
+
+    @staticmethod
+    def sse(obj: Any) -> bytes:
+        return sse(obj)
+
+    @staticmethod
+    async def until_disconnected(request: Request, coro) -> Response:
+        """Runs a non-streaming handler, cancelling it if the client goes away (which closes
+        its generators and so aborts the request in the scheduler)."""
+        task = asyncio.ensure_future(coro)
+        try:
+            while True:
+                done, _ = await asyncio.wait({task}, timeout=0.25)
+                if done:
+                    return task.result()
+                if await request.is_disconnected():
+                    task.cancel()
+                    return Response(status_code=499)
+        finally:
+            if not task.done():
+                task.cancel()
 
 
 def build_app(state: ServerState) -> Starlette:
@@ -140,8 +183,44 @@ def build_app(state: ServerState) -> Starlette:
         outs = [o for g in groups for o in g]
         return orjson_response(outs if is_batch or len(outs) > 1 else outs[0])
 
+    from pydantic import ValidationError
+
+    from srt_lite.entrypoints.openai.serving_base import ModelNotFound
+    from srt_lite.entrypoints.openai.serving_chat import OpenAIServingChat
+    from srt_lite.entrypoints.openai.serving_completions import OpenAIServingCompletion
+
+    chat = OpenAIServingChat(state)
+    completions = OpenAIServingCompletion(state)
+
+    async def chat_completions(request: Request) -> Response:
+        return await chat.create(request, await read_json(request))
+
+    async def openai_completions(request: Request) -> Response:
+        return await completions.create(request, await read_json(request))
+
+    def model_card(name: str) -> dict:
+        return {"id": name, "object": "model", "created": 0, "owned_by": "srt_lite", "root": state.model_dir,
+                "max_model_len": tm.context_len}
+
+    async def list_models(request: Request) -> Response:
+        return orjson_response({"object": "list", "data": [model_card(state.served_model_name)]})
+
+    async def retrieve_model(request: Request) -> Response:
+        name = request.path_params["model"]
+        if name not in state.model_names:
+            return error_response(f"The model `{name}` does not exist.", 404, "invalid_request_error", "model", "model_not_found")
+        return orjson_response(model_card(state.served_model_name))
+
     async def on_request_error(request: Request, exc: RequestError) -> Response:
         return error_response(str(exc), 400)
+
+    async def on_validation_error(request: Request, exc: ValidationError) -> Response:
+        first = exc.errors()[0]
+        param = ".".join(str(x) for x in first.get("loc", ()) if x != "body") or None
+        return error_response(f"{param}: {first.get('msg')}" if param else str(first.get("msg")), 400, param=param)
+
+    async def on_model_not_found(request: Request, exc: ModelNotFound) -> Response:
+        return error_response(str(exc), 404, "invalid_request_error", "model", "model_not_found")
 
     routes = [
         Route("/health", health, methods=["GET"]),
@@ -151,10 +230,40 @@ def build_app(state: ServerState) -> Starlette:
         Route("/flush_cache", flush_cache, methods=["GET", "POST"]),
         Route("/abort_request", abort_request, methods=["POST"]),
         Route("/generate", generate, methods=["POST"]),
+        Route("/v1/chat/completions", chat_completions, methods=["POST"]),
+        Route("/v1/completions", openai_completions, methods=["POST"]),
+        Route("/v1/models", list_models, methods=["GET"]),
+        Route("/v1/models/{model:path}", retrieve_model, methods=["GET"]),
     ]
-    app = Starlette(routes=routes, exception_handlers={RequestError: on_request_error})
+    handlers = {
+        RequestError: on_request_error,
+        ValidationError: on_validation_error,
+        ModelNotFound: on_model_not_found,
+    }
+    app = Starlette(routes=routes, exception_handlers=handlers)
+    if state.api_key:
+        app.add_middleware(ApiKeyMiddleware, api_key=state.api_key)
     app.state.server = state
     return app
+
+
+class ApiKeyMiddleware:
+    """401 unless `Authorization: Bearer <key>` matches; /health stays open for probes."""
+
+    def __init__(self, app, api_key: str):
+        self.app = app
+        self.expected = f"Bearer {api_key}".encode()
+
+    async def __call__(self, scope, receive, send) -> None:
+        if scope["type"] == "http" and scope["path"] != "/health":
+            auth = dict(scope["headers"]).get(b"authorization", b"")
+            import hmac
+
+            if not hmac.compare_digest(auth, self.expected):
+                response = error_response("Incorrect API key provided.", 401, "invalid_request_error", None, "invalid_api_key")
+                await response(scope, receive, send)
+                return
+        await self.app(scope, receive, send)
 
 
 def _generate_items(tm: TokenizerManager, body: dict) -> tuple[list[tuple[list[int], Any, str | None]], bool]:

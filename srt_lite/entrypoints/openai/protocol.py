@@ -1,0 +1,132 @@
+"""Pydantic models of the OpenAI API as srt_lite serves it (plus SGLang's extra fields).
+
+Requests ignore unknown fields (clients such as LangChain send vendor extras); every known
+field is type-checked, and a failure becomes an HTTP 400 in the OpenAI error format.
+"""
+
+from __future__ import annotations
+
+import time
+import uuid
+from typing import Any, Literal, Union
+
+from pydantic import BaseModel, ConfigDict, Field, field_validator, model_validator
+
+
+def random_id(prefix: str) -> str:
+    return f"{prefix}-{uuid.uuid4().hex}"
+
+
+class StreamOptions(BaseModel):
+    model_config = ConfigDict(extra="ignore")
+    include_usage: bool = False
+    continuous_usage_stats: bool = False
+
+
+class _SamplingFields(BaseModel):
+    """Fields shared by chat and completions requests. None means "not set": the model's
+    generation_config, then the OpenAI default, applies."""
+
+    model_config = ConfigDict(extra="ignore")
+
+    model: str | None = None
+    max_tokens: int | None = Field(default=None, ge=0)
+    temperature: float | None = None
+    top_p: float | None = None
+    n: int = Field(default=1, ge=1)
+    stop: Union[str, list[str], None] = None
+    seed: int | None = None
+    presence_penalty: float | None = None
+    frequency_penalty: float | None = None
+    logit_bias: dict[str, float] | None = None
+    stream: bool = False
+    stream_options: StreamOptions | None = None
+    user: str | None = None
+    # SGLang / vLLM extras
+    top_k: int | None = None
+    min_p: float | None = None
+    min_tokens: int = Field(default=0, ge=0)
+    repetition_penalty: float | None = None
+    stop_token_ids: list[int] | None = None
+    ignore_eos: bool = False
+    skip_special_tokens: bool = True
+    spaces_between_special_tokens: bool = True
+    no_stop_trim: bool = False
+    rid: str | None = None
+
+    @field_validator("stop")
+    @classmethod
+    def _stop_list(cls, v):
+        if isinstance(v, list) and len(v) > 16:
+            raise ValueError("at most 16 stop sequences are allowed")
+        return v
+
+
+class ChatMessage(BaseModel):
+    model_config = ConfigDict(extra="ignore")
+    role: Literal["system", "user", "assistant", "tool", "developer"]
+    content: Union[str, list[dict[str, Any]], None] = None
+    name: str | None = None
+    reasoning_content: str | None = None
+    tool_call_id: str | None = None
+    tool_calls: list[dict[str, Any]] | None = None
+
+    def text(self) -> str:
+        """String content, or the text parts of a content list joined."""
+        if self.content is None:
+            return ""
+        if isinstance(self.content, str):
+            return self.content
+        parts = []
+        for part in self.content:
+            if part.get("type") != "text" or not isinstance(part.get("text"), str):
+                raise ValueError("only text content parts are supported")
+            parts.append(part["text"])
+        return "".join(parts)
+
+
+class ChatCompletionRequest(_SamplingFields):
+    messages: list[ChatMessage] = Field(min_length=1)
+    max_completion_tokens: int | None = Field(default=None, ge=0)
+    logprobs: bool = False
+    top_logprobs: int | None = Field(default=None, ge=0, le=20)
+    chat_template_kwargs: dict[str, Any] | None = None
+    separate_reasoning: bool = True
+    stream_reasoning: bool = True
+    continue_final_message: bool = False
+    add_generation_prompt: bool = True
+
+    @model_validator(mode="after")
+    def _check(self):
+        if self.top_logprobs and not self.logprobs:
+            raise ValueError("top_logprobs requires logprobs to be true")
+        if self.continue_final_message and self.messages[-1].role != "assistant":
+            raise ValueError("continue_final_message needs the last message to be from the assistant")
+        return self
+
+
+class CompletionRequest(_SamplingFields):
+    prompt: Union[str, list[str], list[int], list[list[int]]]
+    max_tokens: int | None = Field(default=16, ge=0)
+    logprobs: int | None = Field(default=None, ge=0, le=20)
+    echo: bool = False
+    suffix: str | None = None
+
+    @field_validator("prompt")
+    @classmethod
+    def _non_empty(cls, v):
+        if isinstance(v, list) and len(v) == 0:
+            raise ValueError("prompt must not be an empty list")
+        return v
+
+
+class UsageInfo(BaseModel):
+    prompt_tokens: int = 0
+    completion_tokens: int = 0
+    total_tokens: int = 0
+    prompt_tokens_details: dict[str, int] | None = None
+    reasoning_tokens: int | None = None
+
+
+def now() -> int:
+    return int(time.time())

@@ -1,0 +1,158 @@
+"""What chat and completions serving share: model check, sampling defaults, running n
+choices as one merged stream, usage and error helpers."""
+
+from __future__ import annotations
+
+import asyncio
+import dataclasses
+from typing import TYPE_CHECKING, Any, AsyncIterator
+
+from srt_lite.entrypoints.openai.protocol import UsageInfo, _SamplingFields
+from srt_lite.managers.tokenizer_manager import LogprobOptions, RequestError, TokenizerManager
+from srt_lite.sampling.sampling_params import SamplingParams
+
+if TYPE_CHECKING:
+    from srt_lite.entrypoints.http_server import ServerState
+
+
+class ModelNotFound(Exception):
+    pass
+
+
+# OpenAI's own defaults for fields neither the request nor generation_config sets.
+OPENAI_DEFAULTS = {"temperature": 1.0, "top_p": 1.0}
+
+
+class OpenAIServingBase:
+    def __init__(self, state: "ServerState"):
+        self.state = state
+        self.tm: TokenizerManager = state.tm
+        self.defaults = {**OPENAI_DEFAULTS, **state.generation_defaults}
+
+    def check_model(self, model: str | None) -> None:
+        if model is not None and model not in self.state.model_names:
+            raise ModelNotFound(f"The model `{model}` does not exist.")
+
+    def sampling_params(self, req: _SamplingFields, max_tokens: int | None, prompt_len: int) -> SamplingParams:
+        """OpenAI fields -> SamplingParams. Unset fields: generation_config, then OpenAI's
+        defaults. An unset max_tokens means "up to the context length"."""
+
+        def pick(name: str, value: Any) -> Any:
+            return value if value is not None else self.defaults.get(name)
+
+        if max_tokens is None:
+            max_tokens = max(self.tm.context_len - prompt_len, 0)
+        d = {
+            "max_new_tokens": max_tokens,
+            "min_new_tokens": req.min_tokens,
+            "temperature": pick("temperature", req.temperature),
+            "top_p": pick("top_p", req.top_p),
+            "top_k": pick("top_k", req.top_k),
+            "min_p": pick("min_p", req.min_p),
+            "repetition_penalty": pick("repetition_penalty", req.repetition_penalty),
+            "frequency_penalty": req.frequency_penalty,
+            "presence_penalty": req.presence_penalty,
+            "stop": req.stop,
+            "stop_token_ids": req.stop_token_ids,
+            "ignore_eos": req.ignore_eos,
+            "skip_special_tokens": req.skip_special_tokens,
+            "spaces_between_special_tokens": req.spaces_between_special_tokens,
+            "no_stop_trim": req.no_stop_trim,
+            "logit_bias": req.logit_bias,
+            "seed": req.seed,
+            "n": req.n,
+        }
+        return self.tm.make_sampling_params(d)
+
+    async def run_choices(
+        self,
+        prompts: list[list[int]],
+        params: SamplingParams,
+        logprobs: LogprobOptions,
+        rid: str | None = None,
+    ) -> AsyncIterator[tuple[int, dict]]:
+        """The n choices of every prompt as one stream of (choice index, incremental chunk);
+        choice j * n + i is sample i of prompt j. For n > 1 each prompt is prefilled once
+        first, so its choices reuse the KV. Closing this generator early (client gone)
+        closes every choice, which aborts it in the scheduler."""
+        n = params.n
+        if n > 1:
+            warm = dataclasses.replace(params, n=1, max_new_tokens=0, min_new_tokens=0)
+            await asyncio.gather(*(_drain(self.tm.generate(ids, warm)) for ids in prompts))
+        gens = []
+        for ids in prompts:
+            for i in range(n):
+                p = dataclasses.replace(params, n=1, seed=None if params.seed is None else params.seed + i)
+                choice_rid = None if rid is None else (rid if len(prompts) * n == 1 else f"{rid}-{len(gens)}")
+                gens.append(self.tm.generate(ids, p, stream=True, rid=choice_rid, logprobs=logprobs))
+        if len(gens) == 1:
+            try:
+                async for chunk in gens[0]:
+                    yield 0, chunk
+            finally:
+                await gens[0].aclose()
+            return
+        queue: asyncio.Queue = asyncio.Queue()
+        done = object()
+
+        async def pump(i: int, gen) -> None:
+            try:
+                async for chunk in gen:
+                    await queue.put((i, chunk))
+            except Exception as e:  # noqa: BLE001 - surfaced to the consumer below
+                await queue.put((i, e))
+            finally:
+                await queue.put((i, done))
+
+        tasks = [asyncio.ensure_future(pump(i, g)) for i, g in enumerate(gens)]
+        try:
+            remaining = len(gens)
+            while remaining:
+                idx, item = await queue.get()
+                if item is done:
+                    remaining -= 1
+                elif isinstance(item, Exception):
+                    raise item
+                else:
+                    yield idx, item
+        finally:
+            for t in tasks:
+                t.cancel()
+            for g in gens:
+                await g.aclose()
+
+
+async def _drain(gen: AsyncIterator) -> None:
+    async for _ in gen:
+        pass
+
+
+def finish_reason(meta: dict) -> tuple[str | None, Any]:
+    """(OpenAI finish_reason, matched_stop) from our meta_info."""
+    fr = meta.get("finish_reason")
+    if fr is None:
+        return None, None
+    return fr["type"], fr.get("matched")
+
+
+def abort_error(meta: dict) -> str | None:
+    """An abort that carries a message is an error (rejected request, dead scheduler)."""
+    fr = meta.get("finish_reason")
+    if fr and fr["type"] == "abort" and fr.get("message"):
+        return fr["message"]
+    return None
+
+
+def usage(prompt_tokens: int, completion_tokens: int, cached: int | None, reasoning: int | None = None) -> dict:
+    u = UsageInfo(
+        prompt_tokens=prompt_tokens,
+        completion_tokens=completion_tokens,
+        total_tokens=prompt_tokens + completion_tokens,
+        prompt_tokens_details=None if cached is None else {"cached_tokens": cached},
+        reasoning_tokens=reasoning,
+    )
+    return u.model_dump()
+
+
+def token_text(tm: TokenizerManager, token_id: int) -> str:
+    return tm.tokenizer.decode([token_id])
