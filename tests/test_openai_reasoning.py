@@ -1,0 +1,98 @@
+"""Reasoning end to end: a tiny Qwen3-architecture model trained to answer with a
+<think>...</think> block, served with --reasoning-parser qwen3 (and an API key)."""
+
+from __future__ import annotations
+
+import httpx
+import openai
+import pytest
+
+from reasoning_model import QUESTION, make_reasoning_model
+from server_utils import ServerProcess
+
+KEY = "sk-test-key"
+REASONING = "\nThe user asks 2+2. That is 4.\n"
+ANSWER = "The answer is 4."
+
+
+@pytest.fixture(scope="module")
+def server(tmp_path_factory):
+    path = make_reasoning_model(str(tmp_path_factory.mktemp("reasoner")))
+    with ServerProcess(
+        "--model-path", path, "--dtype", "float32", "--reasoning-parser", "qwen3", "--api-key", KEY,
+        "--served-model-name", "tiny-reasoner", "--max-total-tokens", "2048",
+    ) as s:
+        yield s
+
+
+@pytest.fixture(scope="module")
+def client(server):
+    return openai.OpenAI(base_url=server.base_url + "/v1", api_key=KEY, max_retries=0, timeout=60)
+
+
+MESSAGES = [{"role": "user", "content": QUESTION}]
+
+
+def test_non_streaming_splits_reasoning(client):
+    r = client.chat.completions.create(model="tiny-reasoner", messages=MESSAGES, temperature=0, max_tokens=64)
+    msg = r.choices[0].message
+    assert msg.model_extra["reasoning_content"] == REASONING
+    assert msg.content == ANSWER
+    assert r.choices[0].finish_reason == "stop"
+    assert r.usage.model_extra["reasoning_tokens"] > 0
+
+
+@pytest.mark.parametrize("stream_reasoning", [True, False])
+def test_streaming_splits_reasoning(client, stream_reasoning):
+    stream = client.chat.completions.create(
+        model="tiny-reasoner", messages=MESSAGES, temperature=0, max_tokens=64, stream=True,
+        extra_body={"stream_reasoning": stream_reasoning},
+    )
+    reasoning, content, order = [], [], []
+    for chunk in stream:
+        d = chunk.choices[0].delta
+        if d.model_extra.get("reasoning_content"):
+            reasoning.append(d.model_extra["reasoning_content"])
+            order.append("r")
+        if d.content:
+            content.append(d.content)
+            order.append("c")
+    assert "".join(reasoning) == REASONING and "".join(content) == ANSWER
+    assert "<think>" not in "".join(content + reasoning) and "</think>" not in "".join(content + reasoning)
+    assert order.index("c") > max(i for i, k in enumerate(order) if k == "r")  # reasoning first
+    if not stream_reasoning:
+        assert len(reasoning) == 1
+    else:
+        assert len(reasoning) > 1
+
+
+def test_separate_reasoning_false_keeps_everything_in_content(client):
+    r = client.chat.completions.create(
+        model="tiny-reasoner", messages=MESSAGES, temperature=0, max_tokens=64, extra_body={"separate_reasoning": False}
+    )
+    assert r.choices[0].message.content == "<think>" + REASONING + "</think>\n\n" + ANSWER
+    assert r.choices[0].message.model_extra.get("reasoning_content") is None
+
+
+def test_enable_thinking_false_per_request(client):
+    r = client.chat.completions.create(
+        model="tiny-reasoner", messages=MESSAGES, temperature=0, max_tokens=64,
+        extra_body={"chat_template_kwargs": {"enable_thinking": False}},
+    )
+    assert r.choices[0].message.content == ANSWER
+    assert r.choices[0].message.model_extra.get("reasoning_content") is None
+
+
+def test_api_key_guards_everything_but_health(server):
+    base = server.base_url
+    assert httpx.get(base + "/health").status_code == 200
+    for method, path in [("GET", "/v1/models"), ("POST", "/v1/chat/completions"), ("POST", "/generate"), ("GET", "/get_server_info")]:
+        r = httpx.request(method, base + path, json={"messages": MESSAGES}, timeout=30)
+        assert r.status_code == 401, path
+        assert r.json()["error"]["code"] == "invalid_api_key"
+        r = httpx.request(method, base + path, json={}, headers={"Authorization": "Bearer wrong"}, timeout=30)
+        assert r.status_code == 401
+    ok = httpx.get(base + "/v1/models", headers={"Authorization": f"Bearer {KEY}"})
+    assert ok.status_code == 200 and ok.json()["data"][0]["id"] == "tiny-reasoner"
+    with pytest.raises(openai.AuthenticationError):
+        openai.OpenAI(base_url=base + "/v1", api_key="bad", max_retries=0).models.list()

@@ -1,0 +1,54 @@
+"""The tiny reasoning-model fixture: greedy decoding with transformers reproduces its replies."""
+
+from __future__ import annotations
+
+import json
+import os
+
+import torch
+from transformers import AutoModelForCausalLM, AutoTokenizer
+
+from reasoning_model import PLAIN_REPLY, QUESTION, REASONING_REPLY, make_reasoning_model
+
+
+def _greedy(model, tokenizer, **template_kwargs) -> str:
+    text = tokenizer.apply_chat_template(
+        [{"role": "user", "content": QUESTION}], add_generation_prompt=True, tokenize=False, **template_kwargs
+    )
+    ids = tokenizer.encode(text, add_special_tokens=False)
+    with torch.no_grad():
+        out = model.generate(
+            torch.tensor([ids]), attention_mask=torch.ones(1, len(ids), dtype=torch.long),
+            do_sample=False, max_new_tokens=64,
+        )
+    return tokenizer.decode(out[0, len(ids):], skip_special_tokens=False)
+
+
+def test_reasoning_model_fixture(tmp_path_factory):
+    path = make_reasoning_model(str(tmp_path_factory.mktemp("reasoning_model")))
+    assert make_reasoning_model(path) == path  # second call is cached
+
+    with open(os.path.join(path, "config.json")) as f:
+        config = json.load(f)
+    assert config["architectures"] == ["Qwen3ForCausalLM"]
+    assert config["eos_token_id"] == 2
+    with open(os.path.join(path, "generation_config.json")) as f:
+        assert json.load(f)["eos_token_id"] == 2
+    assert any(name.endswith(".safetensors") for name in os.listdir(path))
+
+    tokenizer = AutoTokenizer.from_pretrained(path)
+    model = AutoModelForCausalLM.from_pretrained(path, dtype=torch.float32).eval()
+    assert type(model).__name__ == "Qwen3ForCausalLM"
+
+    thinking_prompt = tokenizer.apply_chat_template(
+        [{"role": "user", "content": QUESTION}], add_generation_prompt=True, tokenize=False
+    )
+    assert thinking_prompt.endswith("<|im_start|>assistant\n")
+    plain_prompt = tokenizer.apply_chat_template(
+        [{"role": "user", "content": QUESTION}], add_generation_prompt=True, tokenize=False,
+        enable_thinking=False,
+    )
+    assert plain_prompt == thinking_prompt + "<think>\n\n</think>\n\n"
+
+    assert _greedy(model, tokenizer) == REASONING_REPLY + "<|im_end|>"
+    assert _greedy(model, tokenizer, enable_thinking=False) == PLAIN_REPLY + "<|im_end|>"
