@@ -70,6 +70,17 @@ def engine():
     eng.shutdown()
 
 
+@pytest.fixture(autouse=True)
+def kv_invariant_after_test(request):
+    """After every test that used the shared engine: no request holds KV and
+    free + cached + in use == capacity."""
+    yield
+    if "engine" in request.fixturenames:
+        load = wait_idle(request.getfixturevalue("engine"))
+        assert load.kv_used_tokens == 0 and load.num_running_reqs == 0 and load.num_waiting_reqs == 0
+        assert load.invariant_ok
+
+
 def wait_idle(engine, timeout: float = 10.0):
     """Waits until no request holds KV, then returns the scheduler's load report."""
     import time

@@ -238,9 +238,11 @@ class TokenizerManager:
                 if finished:
                     return
         finally:
-            if self.rid_to_state.pop(rid, None) is not None and state.finished_reason is None:
-                # The consumer went away (client disconnect, closed stream): free the work.
-                await self.abort(rid)
+            if state.finished_reason is None:
+                # The consumer went away (client disconnect, closed stream): the abort goes
+                # out first, so the scheduler frees the request's KV within a step.
+                self._abort_nowait(rid)
+            self.rid_to_state.pop(rid, None)
 
     def _chunk(self, state: ReqState, incremental: bool) -> dict:
         if incremental:
@@ -309,7 +311,11 @@ class TokenizerManager:
 
     async def abort(self, rid: str) -> None:
         self._ensure_started()
-        await self.send_to_scheduler.send(io_struct.encode(AbortReq(rid)))
+        self._abort_nowait(rid)
+
+    def _abort_nowait(self, rid: str) -> None:
+        """Sends the abort without awaiting: it must go out even from a cancelled task."""
+        self.send_to_scheduler.send(io_struct.encode(AbortReq(rid)), zmq.NOBLOCK)
 
     async def flush_cache(self) -> FlushCacheReqOutput:
         return await self._control(FlushCacheReq(), FlushCacheReqOutput)
