@@ -26,6 +26,19 @@ class ModelConfig:
     eos_token_ids: list[int]
     generation_defaults: dict  # temperature / top_p / top_k ... from generation_config.json
 
+    def verify_tp(self, tp_size: int) -> None:
+        """Refuses a tensor-parallel size the model cannot be split by, in one line."""
+        inter = getattr(self.hf_config, "intermediate_size", tp_size)
+        problems = []
+        if self.num_heads % tp_size:
+            problems.append(f"{self.num_heads} attention heads")
+        if self.num_kv_heads % tp_size and tp_size % self.num_kv_heads:
+            problems.append(f"{self.num_kv_heads} KV heads (neither divides the other)")
+        if inter % tp_size:
+            problems.append(f"intermediate size {inter}")
+        if problems:
+            raise ValueError(f"--tp-size {tp_size} does not divide the model's {', '.join(problems)}")
+
     @classmethod
     def load(cls, model_path: str | None, context_length: int | None = None) -> "ModelConfig":
         path = resolve_model_path(model_path)

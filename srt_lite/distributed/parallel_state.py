@@ -9,15 +9,18 @@ import torch.distributed as dist
 
 _TP_RANK = 0
 _TP_SIZE = 1
+_CPU_GROUP = None  # gloo group for host-side control traffic (also when NCCL does the math)
 
 
 def init_distributed(tp_rank: int, tp_size: int, device: str, dist_port: int | None) -> None:
     """Joins the TP group: gloo on CPU, NCCL on CUDA, rendezvous on 127.0.0.1:dist_port."""
-    global _TP_RANK, _TP_SIZE
+    global _TP_RANK, _TP_SIZE, _CPU_GROUP
     _TP_RANK, _TP_SIZE = tp_rank, tp_size
     if tp_size == 1:
         return
     backend = "nccl" if device.startswith("cuda") else "gloo"
+    if device.startswith("cuda"):
+        torch.cuda.set_device(tp_rank % torch.cuda.device_count())
     dist.init_process_group(
         backend=backend,
         init_method=f"tcp://127.0.0.1:{dist_port}",
@@ -25,6 +28,7 @@ def init_distributed(tp_rank: int, tp_size: int, device: str, dist_port: int | N
         world_size=tp_size,
         timeout=datetime.timedelta(seconds=600),
     )
+    _CPU_GROUP = dist.new_group(backend="gloo") if backend != "gloo" else dist.group.WORLD
 
 
 def set_tp(tp_rank: int, tp_size: int) -> None:
@@ -55,3 +59,32 @@ def tp_all_gather(x: torch.Tensor, dim: int = -1) -> torch.Tensor:
     parts = [torch.empty_like(x) for _ in range(_TP_SIZE)]
     dist.all_gather(parts, x.contiguous())
     return torch.cat(parts, dim=dim)
+
+
+def broadcast_messages(raw: list[bytes]) -> list[bytes]:
+    """Rank 0's received messages (already orjson bytes) to every rank, as one length-prefixed
+    byte tensor over the CPU group: no pickling, so nothing but our own message types ever
+    travels. Other ranks pass [] and get rank 0's list back."""
+    lengths = torch.tensor([len(m) for m in raw] if _TP_RANK == 0 else [], dtype=torch.int64)
+    count = torch.tensor([lengths.numel()], dtype=torch.int64)
+    dist.broadcast(count, src=0, group=_CPU_GROUP)
+    n = int(count.item())
+    if n == 0:
+        return []
+    if _TP_RANK != 0:
+        lengths = torch.empty(n, dtype=torch.int64)
+    dist.broadcast(lengths, src=0, group=_CPU_GROUP)
+    total = int(lengths.sum().item())
+    if _TP_RANK == 0:
+        payload = torch.frombuffer(bytearray(b"".join(raw)), dtype=torch.uint8)
+    else:
+        payload = torch.empty(total, dtype=torch.uint8)
+    dist.broadcast(payload, src=0, group=_CPU_GROUP)
+    if _TP_RANK == 0:
+        return raw
+    data = payload.numpy().tobytes()
+    out, off = [], 0
+    for length in lengths.tolist():
+        out.append(data[off : off + length])
+        off += length
+    return out

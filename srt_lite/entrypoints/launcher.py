@@ -14,6 +14,7 @@ from typing import Callable
 from srt_lite.managers.detokenizer_manager import run_detokenizer_process
 from srt_lite.managers.io_struct import SchedulerReady
 from srt_lite.managers.scheduler import run_scheduler_process
+from srt_lite.model_config import ModelConfig
 from srt_lite.model_loader.default_model import resolve_model_path
 from srt_lite.server_args import PortArgs, ServerArgs
 
@@ -92,6 +93,7 @@ def launch_subprocesses(server_args: ServerArgs) -> LaunchResult:
     """Converts the model if needed (once, here, so children never race on it), then starts
     the scheduler rank(s) and the detokenizer and waits until every one is ready."""
     model_dir = resolve_model_path(server_args.model_path)
+    ModelConfig.load(model_dir, server_args.context_length).verify_tp(server_args.tp_size)
     child_args = dataclasses.replace(server_args, model_path=model_dir)
     port_args = PortArgs.create(server_args.tp_size)
     procs = Subprocesses(port_args)

@@ -39,7 +39,8 @@ from srt_lite.parser.stop_strings import find_stop
 from srt_lite.sampling.sampling_batch_info import SamplingBatchInfo
 from srt_lite.sampling.sampling_params import SamplingParams
 from srt_lite.server_args import PortArgs, ServerArgs
-from srt_lite.utils import configure_logging, init_child_process, zmq_socket
+from srt_lite.distributed.parallel_state import broadcast_messages, init_distributed
+from srt_lite.utils import configure_logging, init_child_process, resolve_device, zmq_socket
 
 logger = logging.getLogger(__name__)
 
@@ -56,6 +57,7 @@ class Scheduler:
     def __init__(self, server_args: ServerArgs, port_args: PortArgs, tp_rank: int = 0):
         self.server_args = server_args
         self.tp_rank = tp_rank
+        self.tp_size = server_args.tp_size
         self.model_config = ModelConfig.load(server_args.model_path, server_args.context_length)
         self.worker = TpModelWorker(self.model_config, server_args)
         runner = self.worker.model_runner
@@ -83,12 +85,16 @@ class Scheduler:
         self.decode_tokens_since_log = 0
         self.last_decode_log = time.monotonic()
 
-        ctx = zmq.Context(2)
-        self.recv_from_tokenizer = zmq_socket(ctx, zmq.PULL, port_args.scheduler_input, bind=True)
-        self.send_to_detokenizer = zmq_socket(ctx, zmq.PUSH, port_args.detokenizer_input, bind=False)
-        self.send_to_tokenizer = zmq_socket(ctx, zmq.PUSH, port_args.tokenizer_input, bind=False)
-        self.poller = zmq.Poller()
-        self.poller.register(self.recv_from_tokenizer, zmq.POLLIN)
+        # Rank 0 alone talks to the other processes; it shares what it receives with the
+        # other ranks (broadcast_messages), so every rank builds the same batches.
+        self.is_entry_rank = tp_rank == 0
+        if self.is_entry_rank:
+            ctx = zmq.Context(2)
+            self.recv_from_tokenizer = zmq_socket(ctx, zmq.PULL, port_args.scheduler_input, bind=True)
+            self.send_to_detokenizer = zmq_socket(ctx, zmq.PUSH, port_args.detokenizer_input, bind=False)
+            self.send_to_tokenizer = zmq_socket(ctx, zmq.PUSH, port_args.tokenizer_input, bind=False)
+            self.poller = zmq.Poller()
+            self.poller.register(self.recv_from_tokenizer, zmq.POLLIN)
 
     def ready_info(self) -> SchedulerReady:
         runner = self.worker.model_runner
@@ -118,18 +124,28 @@ class Scheduler:
         return bool(self.waiting or self.running or self.chunked_req)
 
     def recv_requests(self) -> list[Any]:
-        if not self.busy():
-            self.poller.poll(timeout=1000)  # sleep until a message arrives
+        raw: list[bytes] = []
+        if self.is_entry_rank:
+            if not self.busy():
+                self.poller.poll(timeout=1000)  # sleep until a message arrives
+            while True:
+                try:
+                    raw.append(self.recv_from_tokenizer.recv(zmq.NOBLOCK))
+                except zmq.Again:
+                    break
+        if self.tp_size > 1:
+            raw = broadcast_messages(raw)
         msgs = []
-        while True:
-            try:
-                data = self.recv_from_tokenizer.recv(zmq.NOBLOCK)
-            except zmq.Again:
-                return msgs
+        for data in raw:
             try:
                 msgs.append(io_struct.decode(data))
             except ValueError:
                 logger.warning("dropped a malformed message")
+        return msgs
+
+    def send_to(self, socket_name: str, msg: Any) -> None:
+        if self.is_entry_rank:  # the other ranks computed the same thing; one copy goes out
+            getattr(self, socket_name).send(io_struct.encode(msg))
 
     def process_message(self, msg: Any) -> None:
         if isinstance(msg, TokenizedGenerateReqInput):
@@ -139,9 +155,9 @@ class Scheduler:
         elif isinstance(msg, FlushCacheReq):
             ok = not self.busy() and self.kv.flush()
             text = "" if ok else "cannot flush the cache while requests are running"
-            self.send_to_tokenizer.send(io_struct.encode(FlushCacheReqOutput(ok, text)))
+            self.send_to("send_to_tokenizer", FlushCacheReqOutput(ok, text))
         elif isinstance(msg, GetLoadReq):
-            self.send_to_tokenizer.send(io_struct.encode(self.get_load()))
+            self.send_to("send_to_tokenizer", self.get_load())
 
     # ---- requests in and out -------------------------------------------------------------
 
@@ -221,7 +237,7 @@ class Scheduler:
             out.stops.append(p.stop or [])
             out.no_stop_trim.append(p.no_stop_trim)
         if out.rids:
-            self.send_to_detokenizer.send(io_struct.encode(out))
+            self.send_to("send_to_detokenizer", out)
 
     @staticmethod
     def take_logprobs(req: Req) -> dict:
@@ -469,6 +485,8 @@ class Scheduler:
         return (self.capacity - self.kv.available()) / self.capacity
 
     def log_prefill(self, batch: ScheduleBatch, new_tokens: int) -> None:
+        if not self.is_entry_rank:
+            return  # every rank runs the same batches; one log line is enough
         cached = sum(r.prefix_len for r in batch.reqs if r.kv_len == r.prefix_len)
         logger.info(
             "Prefill batch. #new-seq: %d, #new-token: %d, #cached-token: %d, token usage: %.2f, "
@@ -477,6 +495,8 @@ class Scheduler:
         )
 
     def log_decode(self) -> None:
+        if not self.is_entry_rank:
+            return
         now = time.monotonic()
         tput = self.decode_tokens_since_log / max(now - self.last_decode_log, 1e-6)
         self.decode_tokens_since_log, self.last_decode_log = 0, now
@@ -492,6 +512,10 @@ def run_scheduler_process(server_args: ServerArgs, port_args: PortArgs, tp_rank:
     init_child_process(f"srt_lite::scheduler_TP{tp_rank}")
     configure_logging(server_args.log_level, prefix=f"TP{tp_rank}")
     try:
+        if server_args.tp_size > 1:
+            # Share the cores between ranks instead of oversubscribing them.
+            torch.set_num_threads(max(1, (os.cpu_count() or 1) // server_args.tp_size))
+            init_distributed(tp_rank, server_args.tp_size, resolve_device(server_args.device), port_args.dist_port)
         scheduler = Scheduler(server_args, port_args, tp_rank)
         pipe.send(("ready", scheduler.ready_info().__dict__))
         scheduler.event_loop()

@@ -32,11 +32,7 @@ class ModelRunner:
         self.device = resolve_device(server_args.device)
         self.dtype = resolve_dtype(server_args.dtype, self.device)
         self.tp_rank, self.tp_size = get_tp_rank(), get_tp_size()
-        if model_config.num_heads % self.tp_size != 0:
-            raise ValueError(
-                f"--tp-size {self.tp_size} does not divide the model's "
-                f"{model_config.num_heads} attention heads"
-            )
+        model_config.verify_tp(self.tp_size)
         self.load_model()
         self.init_memory_pool()
         self.attn_backend = create_attention_backend(
