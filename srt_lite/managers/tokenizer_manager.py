@@ -132,7 +132,10 @@ class TokenizerManager:
                 logger.warning("dropped a malformed message")
                 continue
             if isinstance(msg, BatchStrOut):
-                self._on_batch_out(msg)
+                try:
+                    self._on_batch_out(msg)
+                except Exception:  # noqa: BLE001 - one bad message must not stop every stream
+                    logger.exception("failed to handle a detokenizer message")
             else:
                 waiters = self._control_waiters.get(type(msg), [])
                 if waiters:
