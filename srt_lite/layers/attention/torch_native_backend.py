@@ -82,8 +82,10 @@ class TorchNativeAttnBackend(AttentionBackend):
         pool.set_kv_buffer(layer.layer_id, fb.out_cache_loc, k.view(T, Hkv, D), v.view(T, Hkv, D))
 
         B = fb.batch_size
-        k_all = pool.k_buffer[layer.layer_id][meta.kv_index]  # [B, Lk, Hkv, D]
-        v_all = pool.v_buffer[layer.layer_id][meta.kv_index]
+        # index_select on the flat index is several times faster than advanced indexing.
+        flat, lk = meta.kv_index.view(-1), meta.kv_index.shape[1]
+        k_all = pool.k_buffer[layer.layer_id].index_select(0, flat).view(B, lk, Hkv, D)
+        v_all = pool.v_buffer[layer.layer_id].index_select(0, flat).view(B, lk, Hkv, D)
         if meta.q_rows is None:
             q_pad = q.view(B, meta.max_q, H, D)
         else:
