@@ -57,6 +57,14 @@ class ServerArgs:
     reasoning_parser: str | None = _arg(
         None, "Split <think>...</think> into reasoning_content.", "HTTP server", choices=["qwen3", "deepseek-r1"]
     )
+    max_request_bytes: int = _arg(
+        16 * 1024 * 1024, "Largest request body accepted; larger ones get HTTP 413.", "HTTP server"
+    )
+    max_queued_requests: int = _arg(
+        2048,
+        "Most requests waiting beyond --max-running-requests; more get HTTP 503 with Retry-After.",
+        "HTTP server",
+    )
     enable_cache_report: bool = _arg(
         False, "Report prefix-cache hits in usage.prompt_tokens_details.cached_tokens.", "HTTP server"
     )
@@ -110,6 +118,10 @@ class ServerArgs:
             raise ValueError("--mem-fraction-static must be in (0, 1)")
         if self.max_total_tokens is not None and self.max_total_tokens < 16:
             raise ValueError("--max-total-tokens must be >= 16")
+        if self.max_request_bytes < 1024:
+            raise ValueError("--max-request-bytes must be >= 1024")
+        if self.max_queued_requests < 0:
+            raise ValueError("--max-queued-requests must be >= 0")
         if self.max_running_requests < 1:
             raise ValueError("--max-running-requests must be >= 1")
         if self.max_prefill_tokens < 1:

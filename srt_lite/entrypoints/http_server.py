@@ -18,7 +18,7 @@ from starlette.requests import Request
 from starlette.responses import JSONResponse, Response, StreamingResponse
 from starlette.routing import Route
 
-from srt_lite.managers.tokenizer_manager import LogprobOptions, RequestError, TokenizerManager
+from srt_lite.managers.tokenizer_manager import LogprobOptions, Overloaded, RequestError, TokenizerManager
 
 logger = logging.getLogger(__name__)
 
@@ -38,10 +38,24 @@ def orjson_response(obj: Any, status: int = 200) -> Response:
     return Response(orjson.dumps(obj), status_code=status, media_type="application/json")
 
 
+class PayloadTooLarge(Exception):
+    pass
+
+
 async def read_json(request: Request) -> Any:
-    body = await request.body()
+    """The JSON body, read up to --max-request-bytes (413 beyond; 400 if not JSON or UTF-8)."""
+    limit = request.app.state.server.max_request_bytes
+    declared = request.headers.get("content-length")
+    if declared is not None and declared.isdigit() and int(declared) > limit:
+        raise PayloadTooLarge(f"the request body exceeds {limit} bytes")
+    chunks, size = [], 0
+    async for chunk in request.stream():
+        size += len(chunk)
+        if size > limit:
+            raise PayloadTooLarge(f"the request body exceeds {limit} bytes")
+        chunks.append(chunk)
     try:
-        return orjson.loads(body)
+        return orjson.loads(b"".join(chunks))
     except orjson.JSONDecodeError as e:
         raise RequestError(f"the request body is not valid JSON: {e}") from None
 
@@ -70,6 +84,7 @@ class ServerState:
         self.reasoning_parser = args.reasoning_parser
         self.enable_cache_report = args.enable_cache_report
         self.api_key = args.api_key
+        self.max_request_bytes = args.max_request_bytes
         self.chat_template = open(args.chat_template).read() if args.chat_template else None
         self.dead: str | None = None
 
@@ -219,6 +234,14 @@ def build_app(state: ServerState) -> Starlette:
         param = ".".join(str(x) for x in first.get("loc", ()) if x != "body") or None
         return error_response(f"{param}: {first.get('msg')}" if param else str(first.get("msg")), 400, param=param)
 
+    async def on_too_large(request: Request, exc: PayloadTooLarge) -> Response:
+        return error_response(str(exc), 413, "invalid_request_error")
+
+    async def on_overloaded(request: Request, exc: Overloaded) -> Response:
+        response = error_response(str(exc), 503, "service_unavailable")
+        response.headers["Retry-After"] = "1"
+        return response
+
     async def on_model_not_found(request: Request, exc: ModelNotFound) -> Response:
         return error_response(str(exc), 404, "invalid_request_error", "model", "model_not_found")
 
@@ -239,6 +262,8 @@ def build_app(state: ServerState) -> Starlette:
         RequestError: on_request_error,
         ValidationError: on_validation_error,
         ModelNotFound: on_model_not_found,
+        PayloadTooLarge: on_too_large,
+        Overloaded: on_overloaded,
     }
     app = Starlette(routes=routes, exception_handlers=handlers)
     if state.api_key:

@@ -80,6 +80,10 @@ class LogprobOptions:
 NO_LOGPROBS = LogprobOptions()
 
 
+class Overloaded(Exception):
+    """Too many requests in flight; the client should retry later (HTTP 503)."""
+
+
 @dataclass
 class ReqState:
     rid: str
@@ -215,6 +219,10 @@ class TokenizerManager:
         generator early aborts the request."""
         self.validate(input_ids, params)
         self._ensure_started()
+        limit = self.server_args.max_running_requests + self.server_args.max_queued_requests
+        if len(self.rid_to_state) >= limit:
+            # Bounded memory instead of an ever-growing queue.
+            raise Overloaded(f"the server is at its limit of {limit} requests in flight; retry later")
         rid = rid or uuid.uuid4().hex
         if rid in self.rid_to_state:
             raise RequestError(f"duplicate request id {rid}")

@@ -7,6 +7,7 @@ from dataclasses import dataclass, fields
 from typing import Any
 
 _GREEDY_EPS = 1e-6
+MAX_N = 128  # completions per request (OpenAI's limit)
 
 
 @dataclass
@@ -72,7 +73,7 @@ class SamplingParams:
             raise ValueError("repetition_penalty must be in (0, 2]")
         _num("frequency_penalty", self.frequency_penalty, lo=-2.0, hi=2.0)
         _num("presence_penalty", self.presence_penalty, lo=-2.0, hi=2.0)
-        _int("n", self.n, lo=1)
+        _int("n", self.n, lo=1, hi=MAX_N)
         if self.seed is not None:
             _int("seed", self.seed)
         for name in ("ignore_eos", "skip_special_tokens", "spaces_between_special_tokens", "no_stop_trim"):
