@@ -64,6 +64,16 @@ class OpenAIServingBase:
         }
         return self.tm.make_sampling_params(d)
 
+    async def respond(self, request, stream: bool, choices: AsyncIterator, make_stream, make_collect):
+        """A streaming response, or the collected one. For a stream, the first chunk is awaited
+        before the 200 goes out, so a request that fails late still gets a real error status."""
+        from starlette.responses import StreamingResponse
+
+        if stream:
+            first = await anext_or_none(choices)
+            return StreamingResponse(make_stream(first), media_type="text/event-stream")
+        return await self.state.until_disconnected(request, make_collect())
+
     async def run_choices(
         self,
         prompts: list[list[int]],
@@ -120,6 +130,13 @@ class OpenAIServingBase:
                 t.cancel()
             for g in gens:
                 await g.aclose()
+
+
+async def anext_or_none(it: AsyncIterator):
+    try:
+        return await it.__anext__()
+    except StopAsyncIteration:
+        return None
 
 
 async def _drain(gen: AsyncIterator) -> None:

@@ -5,12 +5,13 @@ from __future__ import annotations
 from typing import Any, AsyncIterator
 
 from starlette.requests import Request
-from starlette.responses import Response, StreamingResponse
+from starlette.responses import Response
 
 from srt_lite.entrypoints.openai.protocol import ChatCompletionRequest, now, random_id
 from srt_lite.entrypoints.openai.serving_base import (
     OpenAIServingBase,
     abort_error,
+    anext_or_none,
     finish_reason,
     token_text,
     usage,
@@ -56,12 +57,11 @@ class OpenAIServingChat(OpenAIServingBase):
 
         choices = self.run_choices([input_ids], params, logprobs, rid=req.rid)
         meta_id = random_id("chatcmpl")
-        if req.stream:
-            first = await anext_or_none(choices)  # errors surface before the 200 is sent
-            return StreamingResponse(
-                self.stream(req, meta_id, first, choices, new_parser), media_type="text/event-stream"
-            )
-        return await self.state.until_disconnected(request, self.collect(req, meta_id, choices, new_parser))
+        return await self.respond(
+            request, req.stream, choices,
+            lambda first: self.stream(req, meta_id, first, choices, new_parser),
+            lambda: self.collect(req, meta_id, choices, new_parser),
+        )
 
     # ---- non-streaming -------------------------------------------------------------------
 
@@ -200,9 +200,3 @@ class OpenAIServingChat(OpenAIServingBase):
             items.append({"token": text, "logprob": lp, "bytes": list(text.encode()), "top_logprobs": top})
         return items
 
-
-async def anext_or_none(it: AsyncIterator):
-    try:
-        return await it.__anext__()
-    except StopAsyncIteration:
-        return None

@@ -5,17 +5,17 @@ from __future__ import annotations
 from typing import Any, AsyncIterator
 
 from starlette.requests import Request
-from starlette.responses import Response, StreamingResponse
+from starlette.responses import Response
 
 from srt_lite.entrypoints.openai.protocol import CompletionRequest, now, random_id
 from srt_lite.entrypoints.openai.serving_base import (
     OpenAIServingBase,
     abort_error,
+    anext_or_none,
     finish_reason,
     token_text,
     usage,
 )
-from srt_lite.entrypoints.openai.serving_chat import anext_or_none
 from srt_lite.managers.tokenizer_manager import LogprobOptions, RequestError
 
 
@@ -51,12 +51,11 @@ class OpenAIServingCompletion(OpenAIServingBase):
         choices = self.run_choices(prompts, params, logprobs, rid=req.rid)
         meta_id = random_id("cmpl")
         echo_texts = [self.tm.tokenizer.decode(ids) for ids in prompts] if req.echo else None
-        if req.stream:
-            first = await anext_or_none(choices)
-            return StreamingResponse(
-                self.stream(req, meta_id, first, choices, echo_texts), media_type="text/event-stream"
-            )
-        return await self.state.until_disconnected(request, self.collect(req, meta_id, choices, echo_texts))
+        return await self.respond(
+            request, req.stream, choices,
+            lambda first: self.stream(req, meta_id, first, choices, echo_texts),
+            lambda: self.collect(req, meta_id, choices, echo_texts),
+        )
 
     async def collect(self, req: CompletionRequest, meta_id: str, choices: AsyncIterator, echo_texts) -> Response:
         texts: dict[int, str] = {}
