@@ -105,15 +105,14 @@ def zmq_socket(ctx, kind: int, path: str, bind: bool):
     return sock
 
 
-def die_with_parent() -> None:
-    """Linux: this process gets SIGKILL when its parent dies, so no child is ever orphaned."""
+def die_with_parent(sig: int) -> None:
+    """Linux: this process receives `sig` when its parent dies, so no child is ever orphaned."""
     try:
         import ctypes
-        import signal
 
         libc = ctypes.CDLL("libc.so.6", use_errno=True)
         PR_SET_PDEATHSIG = 1
-        libc.prctl(PR_SET_PDEATHSIG, signal.SIGKILL)
+        libc.prctl(PR_SET_PDEATHSIG, sig)
     except (OSError, AttributeError):
         pass
 
@@ -127,13 +126,29 @@ def set_process_title(title: str) -> None:
         pass
 
 
-def init_child_process(title: str) -> None:
-    """Common start of every child process: dies with its parent, leaves the parent's process
-    group (so Ctrl-C or a group kill reaches only the parent, which stops children in order),
-    and carries a recognisable title such as `srt_lite::scheduler_TP0`."""
+def init_child_process(title: str, ipc_dir: str) -> None:
+    """Common start of every child process: carries a recognisable title such as
+    `srt_lite::scheduler_TP0`, leaves the parent's process group (so Ctrl-C or a group kill
+    reaches only the parent, which stops children in order), and gets SIGTERM when its parent
+    dies. On SIGTERM a child removes the server's socket dir before exiting: the parent does
+    the same after stopping its children, but a parent killed with SIGKILL cannot, and then
+    no stale socket file may be left behind. (The parent's death is not detectable here via
+    getppid: PDEATHSIG arrives when the creating thread dies, before the reparenting.)"""
+    import shutil
     import signal
 
-    die_with_parent()
+    def on_sigterm(signum, frame) -> None:
+        shutil.rmtree(ipc_dir, ignore_errors=True)
+        signal.signal(signal.SIGTERM, signal.SIG_DFL)
+        os.kill(os.getpid(), signal.SIGTERM)
+
+    import multiprocessing
+
+    signal.signal(signal.SIGTERM, on_sigterm)
+    die_with_parent(signal.SIGTERM)
+    parent = multiprocessing.parent_process()
+    if parent is not None and os.getppid() != parent.pid:  # it died before prctl took effect
+        on_sigterm(signal.SIGTERM, None)
     try:
         os.setpgrp()
     except OSError:

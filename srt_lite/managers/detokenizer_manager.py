@@ -81,7 +81,7 @@ class DetokenizerManager:
 
 
 def run_detokenizer_process(server_args: ServerArgs, port_args: PortArgs, model_dir: str, pipe) -> None:
-    init_child_process("srt_lite::detokenizer")
+    init_child_process("srt_lite::detokenizer", port_args.ipc_dir)
     configure_logging(server_args.log_level, prefix="detokenizer")
     try:
         from transformers import AutoTokenizer

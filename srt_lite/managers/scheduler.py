@@ -509,7 +509,7 @@ class Scheduler:
 
 def run_scheduler_process(server_args: ServerArgs, port_args: PortArgs, tp_rank: int, pipe) -> None:
     """Process entry: builds the Scheduler, reports ready (or the error) over `pipe`, loops."""
-    init_child_process(f"srt_lite::scheduler_TP{tp_rank}")
+    init_child_process(f"srt_lite::scheduler_TP{tp_rank}", port_args.ipc_dir)
     configure_logging(server_args.log_level, prefix=f"TP{tp_rank}")
     try:
         if server_args.tp_size > 1:
