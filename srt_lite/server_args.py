@@ -106,6 +106,9 @@ class ServerArgs:
         "info", "Log level.", "Logging", choices=["debug", "info", "warning", "error"]
     )
     decode_log_interval: int = _arg(40, "Log a decode line every this many steps.", "Logging")
+    log_requests: bool = _arg(
+        False, "Log each request's prompt and output (off by default: request text stays private).", "Logging"
+    )
 
     def __post_init__(self) -> None:
         self.check()

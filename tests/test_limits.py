@@ -71,3 +71,13 @@ def test_too_many_in_flight_is_503_with_retry_after(server):
     assert results == [200, 200]
     # Once they finished, requests are accepted again.
     assert httpx.post(server.base_url + "/v1/completions", json={"prompt": "hi", "max_tokens": 1}, timeout=30).status_code == 200
+
+
+@pytest.mark.parametrize("flag", [False, True], ids=["default", "log-requests"])
+def test_request_text_is_logged_only_with_log_requests(flag):
+    marker = "zebra-umbrella-private-text"
+    with ServerProcess("--max-total-tokens", "2048", *(["--log-requests"] if flag else [])) as s:
+        r = httpx.post(s.base_url + "/generate", json={"text": marker, "sampling_params": {"max_new_tokens": 2}}, timeout=60)
+        assert r.status_code == 200
+        time.sleep(0.5)
+        assert (marker in s.read_log()) == flag

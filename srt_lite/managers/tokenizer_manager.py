@@ -247,6 +247,11 @@ class TokenizerManager:
                 elif finished:
                     yield self._chunk(state, incremental=False)
                 if finished:
+                    if self.server_args.log_requests:
+                        logger.info(
+                            "Request %s: prompt %r -> output %r (%s)", rid,
+                            self.tokenizer.decode(input_ids), state.text, state.finished_reason,
+                        )
                     return
         finally:
             if state.finished_reason is None:
