@@ -31,12 +31,6 @@ def init_distributed(tp_rank: int, tp_size: int, device: str, dist_port: int | N
     _CPU_GROUP = dist.new_group(backend="gloo") if backend != "gloo" else dist.group.WORLD
 
 
-def set_tp(tp_rank: int, tp_size: int) -> None:
-    """For tests that build sharded layers without a process group."""
-    global _TP_RANK, _TP_SIZE
-    _TP_RANK, _TP_SIZE = tp_rank, tp_size
-
-
 def get_tp_rank() -> int:
     return _TP_RANK
 

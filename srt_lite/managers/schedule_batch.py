@@ -84,9 +84,6 @@ class ScheduleBatch:
     reqs: list[Req]
     is_prefill: bool
 
-    def is_empty(self) -> bool:
-        return not self.reqs
-
     def to_forward_batch(self, out_cache_loc: torch.Tensor, device: str, return_all_logits: bool = False) -> ForwardBatch:
         """Tokens to compute: each request's extend_len tokens after its kv_len."""
         input_ids: list[int] = []

@@ -175,10 +175,6 @@ class TokenizerManager:
     def tokenize(self, text: str) -> list[int]:
         return self.tokenizer.encode(text)
 
-    def apply_chat_template(self, messages: list[dict], **kwargs: Any) -> list[int]:
-        text = self.tokenizer.apply_chat_template(messages, tokenize=False, add_generation_prompt=True, **kwargs)
-        return self.tokenizer.encode(text, add_special_tokens=False)
-
     def make_sampling_params(self, d: dict | None) -> SamplingParams:
         try:
             params = SamplingParams.from_dict(d)

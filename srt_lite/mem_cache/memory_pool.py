@@ -28,9 +28,6 @@ class ReqToTokenPool:
     def free(self, row: int) -> None:
         self.free_rows.append(row)
 
-    def clear(self) -> None:
-        self.free_rows = list(range(self.size))
-
 
 class TokenToKVPool:
     """Per layer K and V buffers [num_slots + 1, num_kv_heads, head_dim], plus the allocator."""

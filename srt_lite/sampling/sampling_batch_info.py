@@ -8,7 +8,7 @@ Optional tensors (logit_bias, penalties, min-token bans) exist only while some r
 
 from __future__ import annotations
 
-from dataclasses import dataclass, field
+from dataclasses import dataclass
 from typing import TYPE_CHECKING
 
 import torch
@@ -40,7 +40,6 @@ class SamplingBatchInfo:
     pres_penalties: torch.Tensor | None = None  # [B, 1] float32
     output_counts: torch.Tensor | None = None  # [B, V] float32, occurrences in the output
     prompt_mask: torch.Tensor | None = None  # [B, V] bool, token appears in the prompt
-    flags: dict = field(default_factory=dict)
 
     # ---- construction ------------------------------------------------------------------
 
