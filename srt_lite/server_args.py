@@ -93,12 +93,21 @@ class ServerArgs:
         "Memory and scheduling", choices=["lpm", "fcfs"],
     )
     disable_radix_cache: bool = _arg(False, "Turn off prefix caching.", "Memory and scheduling")
+    disable_mixed_chunk: bool = _arg(
+        False,
+        "Run prefill chunks in steps of their own instead of in the running batch's decode step "
+        "(mixing is SGLang's --enable-mixed-chunk, on by default here).",
+        "Memory and scheduling",
+    )
     # Runtime
     device: str = _arg("auto", "cpu, cuda or auto.", "Runtime", choices=["auto", "cpu", "cuda"])
     tp_size: int = _arg(1, "Tensor-parallel size (one scheduler process per rank).", "Runtime")
     attention_backend: str = _arg(
         "auto", "Attention kernels: auto = flashinfer on CUDA when installed, else torch_native.",
         "Runtime", choices=["auto", "torch_native", "flashinfer"],
+    )
+    disable_weight_packing: bool = _arg(
+        False, "On a bfloat16 CPU, call plain F.linear instead of weights prepacked for oneDNN.", "Runtime"
     )
     random_seed: int = _arg(0, "Seed for the sampler's global generator.", "Runtime")
     # Logging

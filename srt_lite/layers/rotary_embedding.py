@@ -48,22 +48,24 @@ class RotaryEmbedding(nn.Module):
         # Kept in float32; cast to the activation dtype at use, as transformers does.
         self.register_buffer("cos_cache", freqs.cos() * scaling, persistent=False)
         self.register_buffer("sin_cache", freqs.sin() * scaling, persistent=False)
+        self._lookup: tuple | None = None  # (positions, dtype, cos, sin) of the current pass
 
-    def forward(
-        self, positions: torch.Tensor, q: torch.Tensor, k: torch.Tensor
-    ) -> tuple[torch.Tensor, torch.Tensor]:
-        """q [T, Hq*D], k [T, Hk*D] -> rotated copies of the same shapes."""
-        cos = self.cos_cache[positions].to(q.dtype).unsqueeze(1)  # [T, 1, rot/2]
-        sin = self.sin_cache[positions].to(q.dtype).unsqueeze(1)
-        return self._apply(q, cos, sin), self._apply(k, cos, sin)
-
-    def _apply(self, x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch.Tensor:
-        shape = x.shape
-        x = x.view(shape[0], -1, self.head_dim)
+    def forward(self, positions: torch.Tensor, x: torch.Tensor) -> torch.Tensor:
+        """x [T, heads, D] (query and key heads together) -> a rotated copy."""
+        cos, sin = self._cos_sin(positions, x.dtype)
         rot, rest = x[..., : self.rotary_dim], x[..., self.rotary_dim :]
         x1, x2 = rot.chunk(2, dim=-1)
         # Same arithmetic as HF: x*cos + rotate_half(x)*sin with cos/sin duplicated halves.
         o1 = x1 * cos - x2 * sin
         o2 = x2 * cos + x1 * sin
-        out = torch.cat((o1, o2, rest), dim=-1) if rest.numel() else torch.cat((o1, o2), dim=-1)
-        return out.view(shape)
+        return torch.cat((o1, o2, rest), dim=-1) if rest.numel() else torch.cat((o1, o2), dim=-1)
+
+    def _cos_sin(self, positions: torch.Tensor, dtype: torch.dtype) -> tuple[torch.Tensor, torch.Tensor]:
+        """The rows for `positions`, looked up once per forward pass: every layer shares this
+        module and passes the same positions tensor (held here, so `is` cannot be fooled)."""
+        cached = self._lookup
+        if cached is None or cached[0] is not positions or cached[1] != dtype:
+            cos = self.cos_cache.index_select(0, positions).to(dtype).unsqueeze(1)  # [T, 1, rot/2]
+            sin = self.sin_cache.index_select(0, positions).to(dtype).unsqueeze(1)
+            cached = self._lookup = (positions, dtype, cos, sin)
+        return cached[2], cached[3]

@@ -81,17 +81,21 @@ class Req:
 
 @dataclass
 class ScheduleBatch:
+    """is_prefill: some rows extend a prompt. The first `num_decode` rows are running requests
+    that decode one token in the same step (a mixed batch), or all rows when not is_prefill."""
+
     reqs: list[Req]
     is_prefill: bool
+    num_decode: int = 0
 
     def to_forward_batch(self, out_cache_loc: torch.Tensor, device: str, return_all_logits: bool = False) -> ForwardBatch:
         """Tokens to compute: each request's extend_len tokens after its kv_len."""
-        input_ids: list[int] = []
-        if self.is_prefill:
-            for r in self.reqs:
-                input_ids.extend(r.fill_ids[r.kv_len : r.kv_len + r.extend_len])
-        else:
+        if not self.is_prefill:
             input_ids = [r.output_ids[-1] for r in self.reqs]
+        else:
+            input_ids = [r.output_ids[-1] for r in self.reqs[: self.num_decode]]
+            for r in self.reqs[self.num_decode :]:
+                input_ids.extend(r.fill_ids[r.kv_len : r.kv_len + r.extend_len])
         return ForwardBatch.create(
             input_ids=input_ids,
             req_pool_indices=[r.req_pool_idx for r in self.reqs],

@@ -265,14 +265,24 @@ class Scheduler:
         return int(min(max(left, 0), RESERVE_CLIP) * self.new_token_ratio)
 
     def get_new_prefill_batch(self) -> tuple[ScheduleBatch, torch.Tensor] | None:
+        """A batch of prompt (chunks) to extend; with mixing on, the running requests decode
+        their next token in the same forward, so new prompts neither wait for the running
+        batch nor stall it."""
         if not self.waiting and self.chunked_req is None:
             return None
         if len(self.running) >= self.max_running and self.chunked_req is None:
             return None
         args = self.server_args
+        mixed = bool(self.running) and not args.disable_mixed_chunk
+        if mixed and self.kv.available() < len(self.running):
+            return None  # decode alone first: it retracts to make room
+        num_decode = len(self.running) if mixed else 0
         chunk = args.chunked_prefill_size if args.chunked_prefill_size > 0 else 1 << 62
         adder = PrefillAdder(
-            sum(self.decode_reserve(r) for r in self.running), args.max_prefill_tokens, chunk, len(self.running)
+            sum(self.decode_reserve(r) for r in self.running) + num_decode,
+            args.max_prefill_tokens,
+            max(chunk - num_decode, 1),
+            len(self.running),
         )
         if self.chunked_req is not None:
             req, self.chunked_req = self.chunked_req, None
@@ -294,8 +304,11 @@ class Scheduler:
         if not adder.can_run:
             return None
         self.chunked_req = adder.chunked_req
-        batch = ScheduleBatch(adder.can_run, is_prefill=True)
-        out_cache_loc = self.kv.alloc(adder.new_tokens)
+        decoding = list(self.running) if mixed else []
+        for r in decoding:
+            r.extend_len = 1
+        batch = ScheduleBatch(decoding + adder.can_run, is_prefill=True, num_decode=num_decode)
+        out_cache_loc = self.kv.alloc(num_decode + adder.new_tokens)
         assert out_cache_loc is not None, "admission checked KV availability"
         off = 0
         for r in batch.reqs:
@@ -351,20 +364,26 @@ class Scheduler:
         self.forward_steps += 1
         if self.crash_at_step and self.forward_steps >= self.crash_at_step:
             raise RuntimeError(f"injected fault at step {self.forward_steps} (SRT_LITE_TEST_CRASH_AT_STEP)")
+        nd = batch.num_decode if batch.is_prefill else len(batch.reqs)
+        # Sampling rows: the running batch's info for the decode rows, a new one for the rest.
+        infos = [self.running_info] if nd else []
+        prefill_info = None
         if batch.is_prefill:
-            info = SamplingBatchInfo.from_reqs(batch.reqs, self.model_config.vocab_size, self.device, self.eos_ids)
-        else:
-            info = self.running_info
-        result = self.worker.forward_batch_generation(batch, out_cache_loc, info)
+            prefill_info = SamplingBatchInfo.from_reqs(batch.reqs[nd:], self.model_config.vocab_size, self.device, self.eos_ids)
+            infos.append(prefill_info)
+        result = self.worker.forward_batch_generation(batch, out_cache_loc, infos)
+        if nd:
+            self.process_decode_result(batch.reqs[:nd], result)
         if batch.is_prefill:
-            self.process_prefill_result(batch, result, info)
-        else:
-            self.process_decode_result(batch, result)
+            self.process_prefill_result(batch.reqs[nd:], result, prefill_info, nd)
 
-    def process_prefill_result(self, batch: ScheduleBatch, result: GenerationResult, info: SamplingBatchInfo) -> None:
-        tokens = result.sample.next_ids.tolist()
+    def process_prefill_result(self, reqs: list[Req], result: GenerationResult, info: SamplingBatchInfo, offset: int) -> None:
+        """reqs are the batch's prefill rows, starting at row `offset`."""
+        next_ids = result.sample.next_ids[offset : offset + len(reqs)]
+        tokens = next_ids.tolist()
         done, joining = [], []
-        for row, (req, tok) in enumerate(zip(batch.reqs, tokens)):
+        for i, (req, tok) in enumerate(zip(reqs, tokens)):
+            row = offset + i
             req.kv_len += req.extend_len
             for key, values in result.input_logprobs.get(row, {}).items():
                 req.input_logprobs.setdefault(key, []).extend(values)
@@ -383,19 +402,21 @@ class Scheduler:
                 self.kv.release(req)
             else:
                 self.kv.cache_unfinished(req)
-                joining.append(row)
+                joining.append(i)
             done.append(req)
         if joining:
             info.filter(joining)
-            info.update(result.sample.next_ids[joining])
-            self.add_running([batch.reqs[i] for i in joining], info)
+            info.update(next_ids[joining])
+            self.add_running([reqs[i] for i in joining], info)
         self.send_outputs(done)
 
-    def process_decode_result(self, batch: ScheduleBatch, result: GenerationResult) -> None:
-        tokens = result.sample.next_ids.tolist()
-        self.running_info.update(result.sample.next_ids)
+    def process_decode_result(self, reqs: list[Req], result: GenerationResult) -> None:
+        """reqs are the running batch (rows 0..len(reqs)-1 of the step)."""
+        next_ids = result.sample.next_ids[: len(reqs)]
+        tokens = next_ids.tolist()
+        self.running_info.update(next_ids)
         finished = []
-        for row, (req, tok) in enumerate(zip(batch.reqs, tokens)):
+        for row, (req, tok) in enumerate(zip(reqs, tokens)):
             req.kv_len += 1
             req.output_ids.append(tok)
             self.record_logprobs(req, result, row)
@@ -404,9 +425,9 @@ class Scheduler:
                 finished.append(req)
                 self.kv.release(req)
         self.remove_running(finished)
-        self.send_outputs(batch.reqs)
+        self.send_outputs(reqs)
         self.decode_steps += 1
-        self.decode_tokens_since_log += len(batch.reqs)
+        self.decode_tokens_since_log += len(reqs)
         if self.decode_steps % self.server_args.decode_log_interval == 0:
             self.log_decode()
 

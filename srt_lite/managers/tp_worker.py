@@ -29,18 +29,31 @@ class TpModelWorker:
         self.sampler = Sampler(server_args.random_seed, self.device)
 
     def forward_batch_generation(
-        self, batch: ScheduleBatch, out_cache_loc: torch.Tensor, info: SamplingBatchInfo
+        self, batch: ScheduleBatch, out_cache_loc: torch.Tensor, infos: list[SamplingBatchInfo]
     ) -> GenerationResult:
         """Runs the batch and samples one token per request (meaningless for a request whose
-        prefill chunk does not reach the end of its prompt)."""
+        prefill chunk does not reach the end of its prompt). `infos` cover the rows in order
+        (a mixed batch has the running batch's info, then the new requests')."""
         prompt_rows = [i for i, r in enumerate(batch.reqs) if batch.is_prefill and wants_input_logprobs(r)]
         fb = batch.to_forward_batch(out_cache_loc, self.device, return_all_logits=bool(prompt_rows))
         out = self.model_runner.forward(fb)
-        sample = self.sampler(out.next_token_logits, info, logprob_request(batch.reqs))
+        sample = self.sample(out.next_token_logits, batch.reqs, infos)
         input_logprobs = {}
         if prompt_rows:
             input_logprobs = self.input_logprobs(batch, prompt_rows, out.all_logits)
         return GenerationResult(sample, input_logprobs)
+
+    def sample(self, logits: torch.Tensor, reqs: list[Req], infos: list[SamplingBatchInfo]) -> SampleOutput:
+        if len(infos) == 1:
+            return self.sampler(logits, infos[0], logprob_request(reqs))
+        ids, logprobs, start = [], {}, 0
+        for info in infos:
+            end = start + info.batch_size
+            part = self.sampler(logits[start:end], info, logprob_request(reqs[start:end]))
+            ids.append(part.next_ids)
+            logprobs.update({start + row: v for row, v in (part.logprobs or {}).items()})
+            start = end
+        return SampleOutput(torch.cat(ids), logprobs or None)
 
     @staticmethod
     def input_logprobs(batch: ScheduleBatch, rows: list[int], all_logits: torch.Tensor) -> dict[int, dict[str, list]]:

@@ -9,6 +9,7 @@ import torch
 
 from srt_lite.distributed import get_tp_rank, get_tp_size
 from srt_lite.layers.attention import create_attention_backend
+from srt_lite.layers.linear import pack_linears_for_cpu
 from srt_lite.layers.logits_processor import LogitsProcessorOutput
 from srt_lite.mem_cache.memory_pool import ReqToTokenPool, TokenToKVPool
 from srt_lite.model_config import ModelConfig
@@ -55,6 +56,8 @@ class ModelRunner:
         self.model.load_weights(iter_checkpoint(cfg.path))
         self.model.eval()
         self.weight_bytes = sum(p.numel() * p.element_size() for p in self.model.parameters())
+        if self.device == "cpu" and self.dtype == torch.bfloat16 and not self.server_args.disable_weight_packing:
+            pack_linears_for_cpu(self.model)
         logger.info(
             "Loaded %s (%.1f MB, %s, %s) in %.1f s",
             cls.__name__, self.weight_bytes / 2**20, self.dtype, self.device,

@@ -64,13 +64,15 @@ class LlamaAttention(nn.Module):
         )
 
     def forward(self, positions: torch.Tensor, x: torch.Tensor, fb: ForwardBatch) -> torch.Tensor:
-        qkv = self.qkv_proj(x)
-        q, k, v = qkv.split([self.q_size, self.kv_size, self.kv_size], dim=-1)
+        qkv = self.qkv_proj(x)  # [T, (Hq + 2 Hkv) * D]
+        T, D, Hq = qkv.shape[0], self.head_dim, self.num_heads
+        qk = qkv[:, : self.q_size + self.kv_size].view(T, -1, D)  # [T, Hq + Hkv, D], a view
+        v = qkv[:, self.q_size + self.kv_size :]
         if self.q_norm is not None:
-            T = q.shape[0]
-            q = self.q_norm(q.reshape(T, -1, self.head_dim)).view(T, -1)
-            k = self.k_norm(k.reshape(T, -1, self.head_dim)).view(T, -1)
-        q, k = self.rotary_emb(positions, q, k)
+            qk = torch.cat([self.q_norm(qk[:, :Hq]), self.k_norm(qk[:, Hq:])], dim=1)
+        # Query and key heads rotate in one pass; q and k stay views of the result.
+        qk = self.rotary_emb(positions, qk)
+        q, k = qk[:, :Hq].reshape(T, -1), qk[:, Hq:].reshape(T, -1)
         return self.o_proj(self.attn(q, k, v, fb))
 
 

@@ -1,9 +1,14 @@
 """Attention with torch's scaled_dot_product_attention, for any device (the CPU path).
 
-The ragged batch is gathered into a padded one: queries [B, Lq, H, D] and the whole KV of
-each request [B, Lk, Hkv, D] read from the pool through req_to_token, with a boolean mask
-that is causal in absolute positions (a new token at position p sees slots 0..p of its own
-request). One SDPA call covers prefill, prefill on top of a cached prefix, decode, and any mix.
+The ragged batch is split into two groups, each attended with one SDPA call:
+- decode rows (one new token): queries [B, 1, H, D] against each request's whole KV
+  [B, Lk, Hkv, D], gathered from the pool through req_to_token and padded to the longest,
+  with a key-length mask;
+- extend rows (a prompt or a chunk of one, maybe after a cached prefix): queries padded to
+  [B, Lq, H, D] with a mask that is causal in absolute positions (a new token at position p
+  sees slots 0..p of its own request); a lone fresh prompt needs no mask at all.
+Keeping them apart matters for mixed batches: padding 16 decode rows to a 500-token chunk
+would multiply the attention work by the chunk length.
 """
 
 from __future__ import annotations
@@ -22,12 +27,16 @@ if TYPE_CHECKING:
 
 
 @dataclass
-class TorchNativeMetadata:
-    kv_index: torch.Tensor  # [B, Lk] int64 pool slots (0 = padding slot)
-    mask: torch.Tensor | None  # [B, 1, Lq, Lk] bool, True = attend; None = full causal single seq
-    q_rows: torch.Tensor | None  # [T] batch row of each new token; None when no padding needed
-    q_cols: torch.Tensor | None  # [T] index within the row
+class AttnGroup:
+    """Rows of the batch attended by one SDPA call."""
+
+    tok_idx: torch.Tensor | None  # [Tg] batch token index of each query; None = all tokens, in order
+    kv_index: torch.Tensor  # [Bg, Lk] int64 pool slots (0 = padding slot)
+    mask: torch.Tensor | None  # [Bg, 1, Lq, Lk] bool, True = attend; None = see `causal`
+    q_rows: torch.Tensor | None  # [Tg] group row of each query; None when no padding is needed
+    q_cols: torch.Tensor | None  # [Tg] index within the row
     max_q: int
+    causal: bool = False  # without a mask: a fresh prompt (causal) or one decode row (all keys)
 
 
 class TorchNativeAttnBackend(AttentionBackend):
@@ -35,37 +44,53 @@ class TorchNativeAttnBackend(AttentionBackend):
         self.device = device
 
     def init_forward_metadata(self, fb: "ForwardBatch") -> None:
-        B = fb.batch_size
-        seq_lens = fb.seq_lens_cpu
         ext = fb.extend_seq_lens_cpu
-        prefix = fb.extend_prefix_lens_cpu
-        max_k, max_q = max(seq_lens), max(ext)
-        rows = fb.req_to_token_pool.req_to_token[fb.req_pool_indices, :max_k].to(torch.int64)
-        key_pos = torch.arange(max_k, device=self.device)  # [Lk]
-        seq = fb.seq_lens.unsqueeze(1)  # [B, 1]
-        key_valid = key_pos.unsqueeze(0) < seq  # [B, Lk]
-        kv_index = rows.masked_fill(~key_valid, 0)
+        decode_rows = [b for b, e in enumerate(ext) if e == 1]
+        extend_rows = [b for b, e in enumerate(ext) if e > 1]
+        if not extend_rows or not decode_rows:
+            fb.attn_metadata = [self._group(fb, list(range(fb.batch_size)), None)]
+            return
+        starts = [0]
+        for e in ext:
+            starts.append(starts[-1] + e)
+        groups = []
+        for rows in (decode_rows, extend_rows):
+            tok = [t for b in rows for t in range(starts[b], starts[b + 1])]
+            groups.append(self._group(fb, rows, torch.tensor(tok, dtype=torch.int64, device=self.device)))
+        fb.attn_metadata = groups
 
+    def _group(self, fb: "ForwardBatch", rows: list[int], tok_idx: torch.Tensor | None) -> AttnGroup:
+        ext = [fb.extend_seq_lens_cpu[b] for b in rows]
+        prefix = [fb.extend_prefix_lens_cpu[b] for b in rows]
+        seq_lens = [p + e for p, e in zip(prefix, ext)]
+        B, max_k, max_q = len(rows), max(seq_lens), max(ext)
+        pool_rows = fb.req_pool_indices if tok_idx is None else fb.req_pool_indices[rows]
+        slots = fb.req_to_token_pool.req_to_token[pool_rows, :max_k].to(torch.int64)
+        key_pos = torch.arange(max_k, device=self.device)  # [Lk]
+        seq = torch.tensor(seq_lens, device=self.device).unsqueeze(1)  # [B, 1]
+        key_valid = key_pos.unsqueeze(0) < seq  # [B, Lk]
+        kv_index = slots.masked_fill(~key_valid, 0)
         if max_q == 1:
-            # Decode (or all rows extend by one): the only constraint is the sequence length.
-            meta = TorchNativeMetadata(kv_index, key_valid[:, None, None, :], None, None, 1)
-        elif B == 1 and prefix[0] == 0:
+            # Decode: the only constraint is the sequence length (none for a single row).
+            mask = key_valid[:, None, None, :] if B > 1 else None
+            return AttnGroup(tok_idx, kv_index, mask, None, None, 1)
+        if B == 1 and prefix[0] == 0:
             # A single fresh prompt: plain causal attention, no mask tensor needed.
-            meta = TorchNativeMetadata(kv_index, None, None, None, max_q)
-        else:
-            ext_t = torch.tensor(ext, device=self.device)
-            prefix_t = torch.tensor(prefix, device=self.device)
-            q_rows = torch.repeat_interleave(torch.arange(B, device=self.device), ext_t)
-            starts = torch.cumsum(ext_t, 0) - ext_t
-            q_cols = torch.arange(fb.num_tokens, device=self.device) - starts[q_rows]
-            q_idx = torch.arange(max_q, device=self.device)  # [Lq]
-            q_abs = prefix_t[:, None] + q_idx[None, :]  # [B, Lq] absolute position
-            mask = (key_pos[None, None, :] <= q_abs[:, :, None]) & key_valid[:, None, :]
-            # Padded query rows attend to slot 0 only, so softmax never sees an empty row.
-            q_pad = q_idx[None, :] >= ext_t[:, None]  # [B, Lq]
-            mask[:, :, 0] |= q_pad
-            meta = TorchNativeMetadata(kv_index, mask.unsqueeze(1), q_rows, q_cols, max_q)
-        fb.attn_metadata = meta
+            return AttnGroup(tok_idx, kv_index, None, None, None, max_q, causal=True)
+        ext_t = torch.tensor(ext, device=self.device)
+        prefix_t = torch.tensor(prefix, device=self.device)
+        q_rows = torch.repeat_interleave(torch.arange(B, device=self.device), ext_t)
+        starts = torch.cumsum(ext_t, 0) - ext_t
+        q_cols = torch.arange(int(ext_t.sum()), device=self.device) - starts[q_rows]
+        q_idx = torch.arange(max_q, device=self.device)  # [Lq]
+        q_abs = prefix_t[:, None] + q_idx[None, :]  # [B, Lq] absolute position
+        mask = (key_pos[None, None, :] <= q_abs[:, :, None]) & key_valid[:, None, :]
+        # Padded query rows attend to slot 0 only, so softmax never sees an empty row.
+        q_pad = q_idx[None, :] >= ext_t[:, None]  # [B, Lq]
+        mask[:, :, 0] |= q_pad
+        if B == 1:
+            q_rows = q_cols = None  # one row, no padding: a view is enough
+        return AttnGroup(tok_idx, kv_index, mask.unsqueeze(1), q_rows, q_cols, max_q)
 
     def forward(
         self,
@@ -75,32 +100,46 @@ class TorchNativeAttnBackend(AttentionBackend):
         layer: "RadixAttention",
         fb: "ForwardBatch",
     ) -> torch.Tensor:
-        meta: TorchNativeMetadata = fb.attn_metadata
         T = q.shape[0]
         H, Hkv, D = layer.num_heads, layer.num_kv_heads, layer.head_dim
         pool = fb.token_to_kv_pool
         pool.set_kv_buffer(layer.layer_id, fb.out_cache_loc, k.view(T, Hkv, D), v.view(T, Hkv, D))
+        k_buf, v_buf = pool.k_buffer[layer.layer_id], pool.v_buffer[layer.layer_id]
+        groups: list[AttnGroup] = fb.attn_metadata
+        if len(groups) == 1:
+            return self._attend(q, k_buf, v_buf, groups[0], layer)
+        out = q.new_empty(T, H * D)
+        for g in groups:
+            out.index_copy_(0, g.tok_idx, self._attend(q.index_select(0, g.tok_idx), k_buf, v_buf, g, layer))
+        return out
 
-        B = fb.batch_size
+    @staticmethod
+    def _attend(
+        q: torch.Tensor, k_buf: torch.Tensor, v_buf: torch.Tensor, g: AttnGroup, layer: "RadixAttention"
+    ) -> torch.Tensor:
+        """q [Tg, H * D] -> [Tg, H * D] for the rows of one group."""
+        T = q.shape[0]
+        H, Hkv, D = layer.num_heads, layer.num_kv_heads, layer.head_dim
+        B, lk = g.kv_index.shape
         # index_select on the flat index is several times faster than advanced indexing.
-        flat, lk = meta.kv_index.view(-1), meta.kv_index.shape[1]
-        k_all = pool.k_buffer[layer.layer_id].index_select(0, flat).view(B, lk, Hkv, D)
-        v_all = pool.v_buffer[layer.layer_id].index_select(0, flat).view(B, lk, Hkv, D)
-        if meta.q_rows is None:
-            q_pad = q.view(B, meta.max_q, H, D)
+        flat = g.kv_index.view(-1)
+        k_all = k_buf.index_select(0, flat).view(B, lk, Hkv, D)
+        v_all = v_buf.index_select(0, flat).view(B, lk, Hkv, D)
+        if g.q_rows is None:
+            q_pad = q.view(B, g.max_q, H, D)
         else:
-            q_pad = q.new_zeros(B, meta.max_q, H, D)
-            q_pad[meta.q_rows, meta.q_cols] = q.view(T, H, D)
+            q_pad = q.new_zeros(B, g.max_q, H, D)
+            q_pad[g.q_rows, g.q_cols] = q.view(T, H, D)
         out = F.scaled_dot_product_attention(
             q_pad.transpose(1, 2),
             k_all.transpose(1, 2).to(q.dtype),
             v_all.transpose(1, 2).to(q.dtype),
-            attn_mask=meta.mask,
-            is_causal=meta.mask is None,
+            attn_mask=g.mask,
+            is_causal=g.causal,
             scale=layer.scaling,
             enable_gqa=H != Hkv,
         )  # [B, H, Lq, D]
         out = out.transpose(1, 2)  # [B, Lq, H, D]
-        if meta.q_rows is not None:
-            out = out[meta.q_rows, meta.q_cols]
+        if g.q_rows is not None:
+            out = out[g.q_rows, g.q_cols]
         return out.reshape(T, H * D)
