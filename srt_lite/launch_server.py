@@ -35,7 +35,7 @@ def launch_server(server_args: ServerArgs) -> int:
     """Runs until SIGINT/SIGTERM (returns 0) or until a child process dies (returns 1)."""
     import uvicorn
 
-    from srt_lite.entrypoints.http_server import ServerState, build_app
+    from srt_lite.entrypoints.http_server import DrainingServer, ServerState, build_app
     from srt_lite.entrypoints.launcher import launch_subprocesses
     from srt_lite.managers.tokenizer_manager import TokenizerManager
 
@@ -59,7 +59,7 @@ def launch_server(server_args: ServerArgs) -> int:
             timeout_graceful_shutdown=2,
             access_log=False,
         )
-        server = uvicorn.Server(config)
+        server = DrainingServer(config, tm, server_args.graceful_shutdown_timeout)
 
         def on_child_death(name: str, code: int | None) -> None:
             nonlocal exit_code
@@ -74,8 +74,9 @@ def launch_server(server_args: ServerArgs) -> int:
             "Serving %s at http://%s:%d (try: curl http://%s:%d/generate -d '{\"text\": \"Hello\"}')",
             state.served_model_name, server_args.host, server_args.port, server_args.host, server_args.port,
         )
-        # uvicorn shuts down gracefully on SIGINT/SIGTERM and then re-raises the signal for
-        # the previous handler; ours turns it into an exception so the cleanup below runs.
+        # While serving, DrainingServer handles SIGINT/SIGTERM (drain, then stop). A signal
+        # uvicorn re-raises after serving, or one that arrives outside serve(), reaches these
+        # handlers, which turn it into an exception so the cleanup below runs.
         signal.signal(signal.SIGTERM, _raise_shutdown)
         signal.signal(signal.SIGINT, _raise_shutdown)
         try:

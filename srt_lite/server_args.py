@@ -65,6 +65,13 @@ class ServerArgs:
         "Most requests waiting beyond --max-running-requests; more get HTTP 503 with Retry-After.",
         "HTTP server",
     )
+    graceful_shutdown_timeout: float = _arg(
+        0.0,
+        "Seconds that SIGTERM/SIGINT lets in-flight requests run to completion (new ones get "
+        "503, /health turns 503) before the rest end with finish_reason abort; a second "
+        "signal stops at once.",
+        "HTTP server",
+    )
     enable_cache_report: bool = _arg(
         False, "Report prefix-cache hits in usage.prompt_tokens_details.cached_tokens.", "HTTP server"
     )
@@ -84,8 +91,11 @@ class ServerArgs:
     max_prefill_tokens: int = _arg(
         16384, "Most new prompt tokens in one prefill batch.", "Memory and scheduling"
     )
-    chunked_prefill_size: int = _arg(
-        8192, "Longest prompt piece prefilled in one step; -1 disables chunking.",
+    chunked_prefill_size: int | None = _arg(
+        None,
+        "Most prompt tokens prefilled in one step (longer prompts are split); -1 disables "
+        "chunking. Default: 8192 on CUDA; 512 on CPU, where small steps keep new requests "
+        "from stalling the running batch and stagger their arrivals.",
         "Memory and scheduling",
     )
     schedule_policy: str = _arg(
@@ -132,13 +142,15 @@ class ServerArgs:
             raise ValueError("--max-total-tokens must be >= 16")
         if self.max_request_bytes < 1024:
             raise ValueError("--max-request-bytes must be >= 1024")
+        if not self.graceful_shutdown_timeout >= 0:
+            raise ValueError("--graceful-shutdown-timeout must be >= 0")
         if self.max_queued_requests < 0:
             raise ValueError("--max-queued-requests must be >= 0")
         if self.max_running_requests < 1:
             raise ValueError("--max-running-requests must be >= 1")
         if self.max_prefill_tokens < 1:
             raise ValueError("--max-prefill-tokens must be >= 1")
-        if self.chunked_prefill_size == 0 or self.chunked_prefill_size < -1:
+        if self.chunked_prefill_size is not None and (self.chunked_prefill_size == 0 or self.chunked_prefill_size < -1):
             raise ValueError("--chunked-prefill-size must be positive or -1")
         if self.context_length is not None and self.context_length < 2:
             raise ValueError("--context-length must be >= 2")

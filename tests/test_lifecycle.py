@@ -3,11 +3,13 @@ server down, and nothing (process or socket file) is left behind."""
 
 from __future__ import annotations
 
+import json
 import os
 import signal
 import subprocess
 import sys
 import time
+from concurrent.futures import ThreadPoolExecutor
 
 import httpx
 import psutil
@@ -42,6 +44,55 @@ def test_signal_stops_everything_within_5s(sig):
         assert time.monotonic() - t0 < 5
         assert code == 0
         assert_gone(children, ipc)
+
+
+def _stream_finish(lines) -> tuple[dict, int]:
+    """Reads the rest of a /generate SSE stream: (last meta_info, number of events)."""
+    last, n = None, 0
+    for line in lines:
+        if line.startswith("data: ") and line != "data: [DONE]":
+            last, n = json.loads(line[6:]), n + 1
+    return last["meta_info"], n
+
+
+def test_sigterm_drains_in_flight_requests_within_grace():
+    """--graceful-shutdown-timeout: in-flight requests finish normally, while new ones and
+    /health get 503, then the server exits 0."""
+    with ServerProcess(*ARGS, "--graceful-shutdown-timeout", "60") as s:
+        children = s.children()
+        body = {"text": "Count", "stream": True, "sampling_params": {"max_new_tokens": 40, "ignore_eos": True}}
+        with ThreadPoolExecutor(1) as pool, httpx.stream("POST", s.base_url + "/generate", json=body, timeout=60) as r:
+            other = pool.submit(httpx.post, s.base_url + "/generate", json={**body, "stream": False}, timeout=60)
+            lines = r.iter_lines()
+            next(lines)
+            time.sleep(0.3)  # the second request is in flight too
+            s.proc.send_signal(signal.SIGTERM)
+            time.sleep(0.5)
+            health = httpx.get(s.base_url + "/health", timeout=5)
+            refused = httpx.post(s.base_url + "/generate", json={"text": "late"}, timeout=5)
+            meta, _ = _stream_finish(lines)
+            done = other.result()
+        assert health.status_code == 503 and "shutting down" in health.json()["error"]["message"]
+        assert refused.status_code == 503
+        assert meta["finish_reason"]["type"] == "length" and meta["completion_tokens"] == 40
+        assert done.status_code == 200 and done.json()["meta_info"]["finish_reason"]["type"] == "length"
+        assert s.proc.wait(30) == 0
+        assert_gone(children, None)
+
+
+def test_sigterm_aborts_what_outlasts_the_grace():
+    with ServerProcess(*ARGS, "--graceful-shutdown-timeout", "1") as s:
+        body = {"text": "Go", "stream": True, "sampling_params": {"max_new_tokens": 3000, "ignore_eos": True}}
+        with httpx.stream("POST", s.base_url + "/generate", json=body, timeout=30) as r:
+            lines = r.iter_lines()
+            next(lines)
+            t0 = time.monotonic()
+            s.proc.send_signal(signal.SIGTERM)
+            meta, _ = _stream_finish(lines)
+        assert meta["finish_reason"]["type"] == "abort"
+        assert 0.8 < time.monotonic() - t0 < 5
+        assert meta["completion_tokens"] < 3000
+        assert s.proc.wait(10) == 0
 
 
 def test_killed_scheduler_takes_server_down():

@@ -216,14 +216,20 @@ def test_model_may_be_omitted(server):
 
 
 def test_dropped_streams_free_their_kv(server):
-    """20 streams cut at random points, mixed with normal requests that must complete."""
+    """Streams cut at random points, mixed with normal greedy requests that must complete
+    with the same text as when each runs alone (fp32 server: batch-invariant kernels)."""
     rng = random.Random(0)
     errors = []
 
-    def dropped(i: int) -> None:
+    def complete(i: int) -> httpx.Response:
+        body = {"model": MODEL, "prompt": f"{i}, {i + 1}, {i + 2},", "max_tokens": 8, "temperature": 0}
+        return httpx.post(server.base_url + "/v1/completions", json=body, timeout=120)
+
+    alone = {i: complete(i).json()["choices"][0]["text"] for i in range(6)}
+
+    def dropped(i: int, cut: int) -> None:
         body = {"model": MODEL, "messages": [{"role": "user", "content": f"Story {i}"}], "max_tokens": 400,
                 "stream": True, "ignore_eos": True}
-        cut = rng.randint(0, 12)
         try:
             with httpx.stream("POST", server.base_url + "/v1/chat/completions", json=body, timeout=60) as r:
                 for k, _ in enumerate(r.iter_lines()):
@@ -232,12 +238,15 @@ def test_dropped_streams_free_their_kv(server):
         except httpx.HTTPError as e:
             errors.append(e)
 
-    def normal() -> None:
-        r = httpx.post(server.base_url + "/v1/completions", json={"model": MODEL, "prompt": "1, 2, 3,", "max_tokens": 5, "temperature": 0}, timeout=120)
-        if r.status_code != 200 or r.json()["choices"][0]["finish_reason"] != "length":
-            errors.append(r.text)
+    def normal(i: int) -> None:
+        r = complete(i)
+        choice = r.json()["choices"][0] if r.status_code == 200 else {}
+        if choice.get("finish_reason") != "length" or choice.get("text") != alone[i]:
+            errors.append((i, r.text, alone[i]))
 
-    threads = [threading.Thread(target=dropped, args=(i,)) for i in range(20)] + [threading.Thread(target=normal) for _ in range(4)]
+    threads = [threading.Thread(target=dropped, args=(i, rng.randint(0, 12))) for i in range(24)]
+    threads += [threading.Thread(target=normal, args=(i,)) for i in range(6)]
+    rng.shuffle(threads)
     for t in threads:
         t.start()
     for t in threads:

@@ -13,6 +13,7 @@ from http import HTTPStatus
 from typing import Any, AsyncIterator
 
 import orjson
+import uvicorn
 from starlette.applications import Starlette
 from starlette.requests import Request
 from starlette.responses import JSONResponse, Response, StreamingResponse
@@ -120,11 +121,13 @@ def build_app(state: ServerState) -> Starlette:
     async def health(request: Request) -> Response:
         if state.dead:
             return error_response(state.dead, 503)
+        if tm.draining:
+            return error_response("the server is shutting down", 503)
         return Response(status_code=200)
 
     async def health_generate(request: Request) -> Response:
-        if state.dead:
-            return error_response(state.dead, 503)
+        if state.dead or tm.draining:
+            return error_response(state.dead or "the server is shutting down", 503)
         params = tm.make_sampling_params({"max_new_tokens": 1, "temperature": 0})
         try:
             async for _ in tm.generate([tm.tokenizer.eos_token_id or 0], params):
@@ -366,3 +369,42 @@ def _version() -> str:
         return version("srt_lite")
     except Exception:  # noqa: BLE001
         return "unknown"
+
+
+class DrainingServer(uvicorn.Server):
+    """uvicorn.Server whose first SIGTERM/SIGINT drains instead of exiting at once: new
+    requests get 503 and /health turns 503, in-flight requests run for up to `grace` seconds,
+    then whatever is left is aborted (clients get finish_reason abort) and the server stops.
+    A second signal takes uvicorn's own path (stop now)."""
+
+    def __init__(self, config: uvicorn.Config, tm: TokenizerManager, grace: float):
+        super().__init__(config)
+        self.tm = tm
+        self.grace = grace
+        self.drain_task: asyncio.Task | None = None
+
+    def handle_exit(self, sig: int, frame: Any) -> None:
+        if self.drain_task is not None or self.should_exit:
+            return super().handle_exit(sig, frame)
+        # Signal handlers run on the main thread, which is the one running the loop.
+        self.drain_task = asyncio.get_event_loop().create_task(self.drain())
+
+    async def drain(self) -> None:
+        tm, loop = self.tm, asyncio.get_running_loop()
+        tm.draining = True
+        if tm.rid_to_state:
+            logger.info(
+                "Shutting down: waiting up to %.0f s for %d request(s) in flight", self.grace, len(tm.rid_to_state)
+            )
+        await _wait_until_idle(tm, loop.time() + self.grace)
+        if tm.rid_to_state:
+            logger.info("Shutting down: aborting %d request(s)", len(tm.rid_to_state))
+            await tm.abort("")  # "" = every request
+            await _wait_until_idle(tm, loop.time() + 5.0)  # their final abort outputs
+        self.should_exit = True
+
+
+async def _wait_until_idle(tm: TokenizerManager, deadline: float) -> None:
+    loop = asyncio.get_running_loop()
+    while tm.rid_to_state and loop.time() < deadline:
+        await asyncio.sleep(0.05)

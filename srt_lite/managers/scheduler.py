@@ -66,6 +66,7 @@ class Scheduler:
         self.capacity = runner.max_total_num_tokens
         self.context_len = self.model_config.context_len
         self.max_running = min(server_args.max_running_requests, runner.req_to_token_pool.size)
+        self.chunk_size = server_args.chunked_prefill_size or (512 if self.device == "cpu" else 8192)
         self.eos_ids = set(self.model_config.eos_token_ids)
         from transformers import AutoTokenizer
 
@@ -277,7 +278,7 @@ class Scheduler:
         if mixed and self.kv.available() < len(self.running):
             return None  # decode alone first: it retracts to make room
         num_decode = len(self.running) if mixed else 0
-        chunk = args.chunked_prefill_size if args.chunked_prefill_size > 0 else 1 << 62
+        chunk = self.chunk_size if self.chunk_size > 0 else 1 << 62
         adder = PrefillAdder(
             sum(self.decode_reserve(r) for r in self.running) + num_decode,
             args.max_prefill_tokens,

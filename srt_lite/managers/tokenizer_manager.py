@@ -112,6 +112,7 @@ class TokenizerManager:
         self.context_len = info.max_context_len
         self.tokenizer = AutoTokenizer.from_pretrained(model_dir)
         self.rid_to_state: dict[str, ReqState] = {}
+        self.draining = False  # set at shutdown: no new requests
         self._started = False
         self._control_waiters: dict[type, list[asyncio.Future]] = {}
 
@@ -215,6 +216,8 @@ class TokenizerManager:
         generator early aborts the request."""
         self.validate(input_ids, params)
         self._ensure_started()
+        if self.draining:
+            raise Overloaded("the server is shutting down")
         limit = self.server_args.max_running_requests + self.server_args.max_queued_requests
         if len(self.rid_to_state) >= limit:
             # Bounded memory instead of an ever-growing queue.
