@@ -2,6 +2,7 @@
 # Runs W1-W3 of shared/BENCHMARKS.md against one running OpenAI-compatible server.
 #   benchmarks/run_workloads.sh BASE_URL LABEL [W1 W2 W3]
 # Results: benchmarks/results/LABEL-W{1,2,3}.json plus the printed tables.
+# EXTRA="--num-prompts 2" appends arguments to every run (later ones win; the docs test uses it).
 set -euo pipefail
 url=$1; label=$2; shift 2
 workloads=${*:-W1 W2 W3}
@@ -14,5 +15,5 @@ for w in $workloads; do
     W3) args="--num-prompts 32 --max-concurrency 8 --input-words 20 --shared-prefix-words 800 --output-len 32" ;;
     *) echo "unknown workload $w" >&2; exit 2 ;;
   esac
-  $bench --label "$label-$w" $args
+  $bench --label "$label-$w" $args ${EXTRA:-}
 done

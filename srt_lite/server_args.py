@@ -75,6 +75,7 @@ class ServerArgs:
     enable_cache_report: bool = _arg(
         False, "Report prefix-cache hits in usage.prompt_tokens_details.cached_tokens.", "HTTP server"
     )
+    enable_metrics: bool = _arg(False, "Serve Prometheus metrics at /metrics.", "HTTP server")
     # Memory and scheduling
     mem_fraction_static: float | None = _arg(
         None,

@@ -143,3 +143,7 @@ def test_client_disconnect_aborts_stream(server):
             break
         time.sleep(0.1)
     assert load["num_running_reqs"] == 0 and load["kv_used_tokens"] == 0 and load["invariant_ok"]
+
+
+def test_metrics_endpoint_is_off_by_default(server):
+    assert httpx.get(server.base_url + "/metrics", timeout=10).status_code == 404

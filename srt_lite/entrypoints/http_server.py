@@ -20,6 +20,7 @@ from starlette.responses import JSONResponse, Response, StreamingResponse
 from starlette.routing import Route
 
 from srt_lite.managers.tokenizer_manager import LogprobOptions, Overloaded, RequestError, TokenizerManager
+from srt_lite.metrics import MetricsCollector
 
 logger = logging.getLogger(__name__)
 
@@ -84,6 +85,7 @@ class ServerState:
         self.generation_defaults = generation_defaults or {}
         self.reasoning_parser = args.reasoning_parser
         self.enable_cache_report = args.enable_cache_report
+        self.enable_metrics = args.enable_metrics
         self.api_key = args.api_key
         self.max_request_bytes = args.max_request_bytes
         self.chat_template = open(args.chat_template).read() if args.chat_template else None
@@ -130,7 +132,7 @@ def build_app(state: ServerState) -> Starlette:
             return error_response(state.dead or "the server is shutting down", 503)
         params = tm.make_sampling_params({"max_new_tokens": 1, "temperature": 0})
         try:
-            async for _ in tm.generate([tm.tokenizer.eos_token_id or 0], params):
+            async for _ in tm.generate([tm.tokenizer.eos_token_id or 0], params, internal=True):
                 pass
         except Exception as e:  # noqa: BLE001
             return error_response(f"generation failed: {e}", 503)
@@ -261,6 +263,14 @@ def build_app(state: ServerState) -> Starlette:
         Route("/v1/models", list_models, methods=["GET"]),
         Route("/v1/models/{model:path}", retrieve_model, methods=["GET"]),
     ]
+    if state.enable_metrics:
+        tm.metrics = MetricsCollector(state.served_model_name)
+
+        async def metrics(request: Request) -> Response:
+            body, content_type = tm.metrics.render(await tm.get_load())
+            return Response(body, media_type=content_type)
+
+        routes.append(Route("/metrics", metrics, methods=["GET"]))
     handlers = {
         RequestError: on_request_error,
         ValidationError: on_validation_error,

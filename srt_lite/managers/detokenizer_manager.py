@@ -48,6 +48,8 @@ class DetokenizerManager:
             completion_tokens=msg.completion_tokens,
             cached_tokens=msg.cached_tokens,
             logprobs=msg.logprobs,
+            queue_times=msg.queue_times,
+            first_token_times=msg.first_token_times,
         )
         for i, rid in enumerate(msg.rids):
             state = self.states.get(rid)

@@ -7,7 +7,7 @@ message can only ever become one of the types below.
 
 from __future__ import annotations
 
-from dataclasses import dataclass, fields
+from dataclasses import dataclass, field, fields
 from typing import Any
 
 import orjson
@@ -61,6 +61,7 @@ class GetLoadReqOutput:
     invariant_ok: bool  # free + cached + in use == capacity, and the tree checks out
     num_retractions: int = 0  # since start
     evicted_tokens: int = 0  # since start
+    gen_throughput: float = 0.0  # token/s over the latest decode log interval
 
 
 @dataclass
@@ -81,6 +82,10 @@ class BatchTokenIDOut:
     spaces_between_special_tokens: list[bool]
     stops: list[list[str]]
     no_stop_trim: list[bool]
+    # For metrics: seconds the request waited before its first scheduling, and the wall-clock
+    # time (time.time()) of its first output token; None until known.
+    queue_times: list[float | None] = field(default_factory=list)
+    first_token_times: list[float | None] = field(default_factory=list)
 
 
 @dataclass
@@ -95,6 +100,8 @@ class BatchStrOut:
     completion_tokens: list[int]
     cached_tokens: list[int]
     logprobs: list[dict | None]
+    queue_times: list[float | None] = field(default_factory=list)
+    first_token_times: list[float | None] = field(default_factory=list)
 
 
 @dataclass

@@ -54,6 +54,8 @@ class Req:
     to_abort: bool = False
     sent_len: int = 0  # output ids already sent to the detokenizer
     arrival_time: float = field(default_factory=time.monotonic)
+    queue_time: float | None = None  # arrival to first admission, seconds
+    first_token_time: float | None = None  # wall clock (time.time()), for TTFT metrics
     retracted: int = 0
 
     @property

@@ -85,6 +85,7 @@ class Scheduler:
         self.crash_at_step = int(os.environ.get("SRT_LITE_TEST_CRASH_AT_STEP", "0"))
         self.decode_tokens_since_log = 0
         self.last_decode_log = time.monotonic()
+        self.last_gen_throughput = 0.0
 
         # Rank 0 alone talks to the other processes; it shares what it receives with the
         # other ranks (broadcast_messages), so every rank builds the same batches.
@@ -237,6 +238,8 @@ class Scheduler:
             out.spaces_between_special_tokens.append(p.spaces_between_special_tokens)
             out.stops.append(p.stop or [])
             out.no_stop_trim.append(p.no_stop_trim)
+            out.queue_times.append(r.queue_time)
+            out.first_token_times.append(r.first_token_time)
         if out.rids:
             self.send_to("send_to_detokenizer", out)
 
@@ -301,6 +304,8 @@ class Scheduler:
                 break
             if req.retracted == 0 and not req.output_ids:
                 req.cached_tokens = req.prefix_len
+            if req.queue_time is None:
+                req.queue_time = time.monotonic() - req.arrival_time
             self.waiting.remove(req)
         if not adder.can_run:
             return None
@@ -395,6 +400,8 @@ class Scheduler:
                 req.finish("length", length=0)  # prefill only (e.g. to warm the cache for n > 1)
             else:
                 req.output_ids.append(tok)
+                if req.first_token_time is None:
+                    req.first_token_time = time.time()
                 self.record_logprobs(req, result, row)
                 self.check_finish(req)
             if req.to_abort:
@@ -501,6 +508,7 @@ class Scheduler:
             invariant_ok=self.kv.check(self.holders()),
             num_retractions=self.num_retractions,
             evicted_tokens=self.kv.evicted_tokens,
+            gen_throughput=self.last_gen_throughput,
         )
 
     def token_usage(self) -> float:
@@ -521,6 +529,7 @@ class Scheduler:
             return
         now = time.monotonic()
         tput = self.decode_tokens_since_log / max(now - self.last_decode_log, 1e-6)
+        self.last_gen_throughput = tput
         self.decode_tokens_since_log, self.last_decode_log = 0, now
         logger.info(
             "Decode batch. #running-req: %d, #token: %d, token usage: %.2f, gen throughput (token/s): %.2f, "

@@ -10,7 +10,7 @@ import logging
 import time
 import uuid
 from dataclasses import dataclass, field
-from typing import Any, AsyncIterator
+from typing import TYPE_CHECKING, Any, AsyncIterator
 
 import zmq
 import zmq.asyncio
@@ -29,6 +29,9 @@ from srt_lite.managers.io_struct import (
 from srt_lite.sampling.sampling_params import SamplingParams
 from srt_lite.server_args import PortArgs, ServerArgs
 from srt_lite.utils import zmq_socket
+
+if TYPE_CHECKING:
+    from srt_lite.metrics import MetricsCollector
 
 logger = logging.getLogger(__name__)
 
@@ -99,6 +102,13 @@ class ReqState:
     cached_tokens: int = 0
     logprobs: dict[str, list] = field(default_factory=dict)
     logprobs_sent: dict[str, int] = field(default_factory=dict)
+    # metrics: wall-clock times (comparable with the scheduler's stamps)
+    created_wall: float = field(default_factory=time.time)
+    last_tokens_wall: float | None = None
+    itl_observed: bool = False
+    queue_time: float | None = None
+    first_token_time: float | None = None
+    internal: bool = False  # the server's own request (n > 1 warm-up, health probe): not counted
     logprob_opts: LogprobOptions = NO_LOGPROBS
 
 
@@ -113,6 +123,7 @@ class TokenizerManager:
         self.tokenizer = AutoTokenizer.from_pretrained(model_dir)
         self.rid_to_state: dict[str, ReqState] = {}
         self.draining = False  # set at shutdown: no new requests
+        self.metrics: MetricsCollector | None = None  # set by the HTTP server under --enable-metrics
         self._started = False
         self._control_waiters: dict[type, list[asyncio.Future]] = {}
 
@@ -160,9 +171,35 @@ class TokenizerManager:
             if msg.logprobs[i]:
                 for key, values in msg.logprobs[i].items():
                     state.logprobs.setdefault(key, []).extend(values)
+            if self.metrics is not None and not state.internal:
+                self._record_metrics(state, msg, i)
             if msg.finished_reasons[i] is not None:
                 state.finished_reason = msg.finished_reasons[i]
             state.event.set()
+
+    def _record_metrics(self, state: ReqState, msg: BatchStrOut, i: int) -> None:
+        if msg.queue_times:
+            state.queue_time = msg.queue_times[i]
+            state.first_token_time = msg.first_token_times[i]
+        now = time.time()
+        n_new = len(msg.new_ids[i])
+        if n_new and state.last_tokens_wall is not None:
+            self.metrics.on_stream_tokens(now - state.last_tokens_wall, n_new)
+            state.itl_observed = True
+        if n_new:
+            state.last_tokens_wall = now
+        finished = msg.finished_reasons[i]
+        if finished is not None:
+            self.metrics.on_finish(
+                created_wall=state.created_wall,
+                prompt_tokens=state.prompt_tokens,
+                completion_tokens=state.completion_tokens,
+                cached_tokens=state.cached_tokens,
+                aborted=finished.get("type") == "abort",
+                queue_time=state.queue_time,
+                first_token_time=state.first_token_time,
+                itl_observed=state.itl_observed,
+            )
 
     async def _control(self, req: Any, reply_type: type, timeout: float = 30.0) -> Any:
         self._ensure_started()
@@ -210,6 +247,7 @@ class TokenizerManager:
         stream: bool = False,
         rid: str | None = None,
         logprobs: LogprobOptions = NO_LOGPROBS,
+        internal: bool = False,
     ) -> AsyncIterator[dict]:
         """Yields output dicts: for a stream, one per arriving delta (`text` and `output_ids`
         hold the new part only); otherwise one dict with the whole result. Closing the
@@ -226,7 +264,9 @@ class TokenizerManager:
         if rid in self.rid_to_state:
             raise RequestError(f"duplicate request id {rid}")
         logprobs.verify(self.info.vocab_size)
-        state = ReqState(rid=rid, prompt_tokens=len(input_ids), created=time.perf_counter(), logprob_opts=logprobs)
+        state = ReqState(
+            rid=rid, prompt_tokens=len(input_ids), created=time.perf_counter(), logprob_opts=logprobs, internal=internal
+        )
         self.rid_to_state[rid] = state
         msg = TokenizedGenerateReqInput(
             rid, input_ids, params.to_dict(), stream,
@@ -311,9 +351,7 @@ class TokenizerManager:
         completion i uses seed + i (distinct, reproducible samples)."""
         n = params.n
         if n > 1:
-            warm = dataclasses.replace(params, n=1, max_new_tokens=0, min_new_tokens=0)
-            async for _ in self.generate(input_ids, warm):
-                pass
+            await self.prefill_only(input_ids, params)
 
         async def one(i: int) -> dict:
             p = dataclasses.replace(params, n=1, seed=None if params.seed is None else params.seed + i)
@@ -323,6 +361,13 @@ class TokenizerManager:
             return out
 
         return list(await asyncio.gather(*(one(i) for i in range(n))))
+
+    async def prefill_only(self, input_ids: list[int], params: SamplingParams) -> None:
+        """Puts a prompt's KV in the radix cache without generating, so that the n choices
+        sampled next share one prefill. Not counted as a request in the metrics."""
+        warm = dataclasses.replace(params, n=1, max_new_tokens=0, min_new_tokens=0)
+        async for _ in self.generate(input_ids, warm, internal=True):
+            pass
 
     async def abort(self, rid: str) -> None:
         self._ensure_started()

@@ -87,8 +87,7 @@ class OpenAIServingBase:
         closes every choice, which aborts it in the scheduler."""
         n = params.n
         if n > 1:
-            warm = dataclasses.replace(params, n=1, max_new_tokens=0, min_new_tokens=0)
-            await asyncio.gather(*(_drain(self.tm.generate(ids, warm)) for ids in prompts))
+            await asyncio.gather(*(self.tm.prefill_only(ids, params) for ids in prompts))
         gens = []
         for ids in prompts:
             for i in range(n):
@@ -137,11 +136,6 @@ async def anext_or_none(it: AsyncIterator):
         return await it.__anext__()
     except StopAsyncIteration:
         return None
-
-
-async def _drain(gen: AsyncIterator) -> None:
-    async for _ in gen:
-        pass
 
 
 def finish_reason(meta: dict) -> tuple[str | None, Any]:
