@@ -70,10 +70,7 @@ def launch_server(server_args: ServerArgs) -> int:
             server.should_exit = True
 
         launch.procs.watch(on_child_death)
-        logger.info(
-            "Serving %s at http://%s:%d (try: curl http://%s:%d/generate -d '{\"text\": \"Hello\"}')",
-            state.served_model_name, server_args.host, server_args.port, server_args.host, server_args.port,
-        )
+        logger.info("%s", banner(server_args, state.served_model_name, launch.model_dir, launch.info))
         # While serving, DrainingServer handles SIGINT/SIGTERM (drain, then stop). A signal
         # uvicorn re-raises after serving, or one that arrives outside serve(), reaches these
         # handlers, which turn it into an exception so the cleanup below runs.
@@ -90,6 +87,21 @@ def launch_server(server_args: ServerArgs) -> int:
         if tm is not None and tm._started:
             loop.run_until_complete(_close(tm))
     return exit_code
+
+
+def banner(server_args: ServerArgs, served_name: str, model_dir: str, info) -> str:
+    """What a user needs on start: what runs, how big, and where to call it."""
+    url = f"http://{server_args.host}:{server_args.port}"
+    return "\n".join([
+        "srt_lite is ready",
+        f"  model        {served_name}  ({model_dir})",
+        f"  dtype        {info.dtype} on {info.device}, tensor parallel {server_args.tp_size}",
+        f"  KV cache     {info.max_total_num_tokens} tokens",
+        f"  max context  {info.max_context_len} tokens",
+        f"  URL          {url}  (OpenAI API: {url}/v1)",
+        f"  try          curl {url}/v1/completions -H 'Content-Type: application/json' "
+        '-d \'{"prompt": "The capital of France is", "max_tokens": 16}\'',
+    ])
 
 
 def _check_port_free(host: str, port: int) -> None:

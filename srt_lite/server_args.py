@@ -121,6 +121,9 @@ class ServerArgs:
         False, "On a bfloat16 CPU, call plain F.linear instead of weights prepacked for oneDNN.", "Runtime"
     )
     random_seed: int = _arg(0, "Seed for the sampler's global generator.", "Runtime")
+    skip_server_warmup: bool = _arg(
+        False, "Start serving without the warm-up forwards (the first requests are then slower).", "Runtime"
+    )
     # Logging
     log_level: str = _arg(
         "info", "Log level.", "Logging", choices=["debug", "info", "warning", "error"]

@@ -7,6 +7,7 @@ import logging
 import os
 import socket
 import sys
+from typing import Iterable, Iterator, TypeVar
 
 import torch
 
@@ -23,6 +24,27 @@ def configure_logging(level: str = "info", prefix: str = "") -> None:
         stream=sys.stderr,
         force=True,
     )
+
+
+T = TypeVar("T")
+
+
+def progress(items: Iterable[T], total: int, desc: str, enabled: bool = True) -> Iterator[T]:
+    """Iterates `items` with a tqdm bar when stderr is a terminal; otherwise (log files,
+    pipes, CI) with two plain log lines, at the start and at the end."""
+    if not enabled:
+        yield from items
+        return
+    if sys.stderr.isatty():
+        from tqdm.auto import tqdm
+
+        yield from tqdm(items, total=total, desc=desc, leave=False)
+        return
+    logger.info("%s: 0/%d", desc, total)
+    n = 0
+    for n, item in enumerate(items, 1):
+        yield item
+    logger.info("%s: %d/%d done", desc, n, total)
 
 
 @functools.lru_cache(maxsize=1)

@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import json
+import re
 import threading
 import time
 
@@ -147,3 +148,15 @@ def test_client_disconnect_aborts_stream(server):
 
 def test_metrics_endpoint_is_off_by_default(server):
     assert httpx.get(server.base_url + "/metrics", timeout=10).status_code == 404
+
+
+def test_startup_banner_and_progress_lines(server):
+    log = server.read_log()
+    port = server.base_url.rsplit(":", 1)[1]
+    assert "srt_lite is ready" in log
+    assert "  KV cache     8192 tokens" in log
+    assert "  max context  8192 tokens" in log
+    assert "  dtype        bfloat16 on cpu, tensor parallel 1" in log
+    assert f"  URL          http://127.0.0.1:{port}  (OpenAI API: http://127.0.0.1:{port}/v1)" in log
+    # Not a terminal: progress is plain log lines (weights, then warm-up).
+    assert re.search(r"Loading weights: (\d+)/\1 done", log) and re.search(r"Warming up: (\d+)/\1 done", log)

@@ -67,6 +67,8 @@ class Scheduler:
         self.context_len = self.model_config.context_len
         self.max_running = min(server_args.max_running_requests, runner.req_to_token_pool.size)
         self.chunk_size = server_args.chunked_prefill_size or (512 if self.device == "cpu" else 8192)
+        if not server_args.skip_server_warmup:
+            runner.warmup(min(self.max_running, 16))
         self.eos_ids = set(self.model_config.eos_token_ids)
         from transformers import AutoTokenizer
 

@@ -14,10 +14,10 @@ from srt_lite.layers.logits_processor import LogitsProcessorOutput
 from srt_lite.mem_cache.memory_pool import ReqToTokenPool, TokenToKVPool
 from srt_lite.model_config import ModelConfig
 from srt_lite.model_executor.forward_batch import ForwardBatch
-from srt_lite.model_loader.weight_utils import iter_checkpoint
+from srt_lite.model_loader.weight_utils import count_checkpoint_tensors, iter_checkpoint
 from srt_lite.models.registry import get_model_class
 from srt_lite.server_args import ServerArgs
-from srt_lite.utils import available_memory_bytes, resolve_device, resolve_dtype
+from srt_lite.utils import available_memory_bytes, progress, resolve_device, resolve_dtype
 
 logger = logging.getLogger(__name__)
 
@@ -53,7 +53,10 @@ class ModelRunner:
                 self.model = cls(cfg.hf_config, max_position=max(cfg.context_len, 1))
         finally:
             torch.set_default_dtype(prev)
-        self.model.load_weights(iter_checkpoint(cfg.path))
+        weights = progress(
+            iter_checkpoint(cfg.path), count_checkpoint_tensors(cfg.path), "Loading weights", enabled=self.tp_rank == 0
+        )
+        self.model.load_weights(weights)
         self.model.eval()
         self.weight_bytes = sum(p.numel() * p.element_size() for p in self.model.parameters())
         if self.device == "cpu" and self.dtype == torch.bfloat16 and not self.server_args.disable_weight_packing:
@@ -108,3 +111,35 @@ class ModelRunner:
         fb.attn_backend = self.attn_backend
         self.attn_backend.init_forward_metadata(fb)
         return self.model(fb.input_ids, fb.positions, fb)
+
+    @torch.inference_mode()
+    def warmup(self, max_batch: int) -> None:
+        """Dummy forwards before serving: a prefill, then decode steps at batch sizes up to
+        `max_batch`, so the first requests do not pay for kernel set-up (oneDNN creates a
+        primitive per new shape) and allocator growth. Uses scratch KV that it frees."""
+        sizes = [b for b in (1, 2, 4, 8, 16, 32) if b <= max_batch] or [1]
+        prompt = 8
+        need = sizes[-1] * (prompt + 1)
+        if need > self.max_total_num_tokens or sizes[-1] > self.req_to_token_pool.available_size():
+            return  # a tiny test cache: nothing worth warming
+        rows = [self.req_to_token_pool.alloc() for _ in range(sizes[-1])]
+        slots = self.token_to_kv_pool.alloc(need)
+        r2t = self.req_to_token_pool.req_to_token
+        for i, row in enumerate(rows):
+            r2t[row, : prompt + 1] = slots[i * (prompt + 1) : (i + 1) * (prompt + 1)].to(r2t.dtype)
+
+        def step(batch: int, prefix: int, new: int) -> None:
+            locs = torch.cat([r2t[row, prefix : prefix + new] for row in rows[:batch]]).to(torch.int64)
+            self.forward(ForwardBatch.create(
+                input_ids=[1] * (batch * new), req_pool_indices=rows[:batch], prefix_lens=[prefix] * batch,
+                extend_lens=[new] * batch, out_cache_loc=locs, device=self.device,
+            ))
+
+        t0 = time.perf_counter()
+        steps = [(sizes[-1], 0, prompt)] + [(b, prompt, 1) for b in sizes]
+        for args in progress(steps, len(steps), "Warming up", enabled=self.tp_rank == 0):
+            step(*args)
+        self.token_to_kv_pool.free(slots)
+        for row in rows:
+            self.req_to_token_pool.free(row)
+        logger.info("Warm-up: %d forward passes in %.1f s", len(steps), time.perf_counter() - t0)

@@ -14,7 +14,7 @@ import os
 import shutil
 import tempfile
 
-from srt_lite.utils import cache_root
+from srt_lite.utils import cache_root, progress
 
 logger = logging.getLogger(__name__)
 
@@ -75,31 +75,34 @@ def convert_gguf(gguf_path: str, name: str | None = None) -> str:
         return out_dir
     logger.info("Converting %s to safetensors (once) into %s", gguf_path, out_dir)
     import torch
-    from tqdm.auto import tqdm
     from transformers import AutoModelForCausalLM, AutoTokenizer
 
     folder, fname = os.path.dirname(os.path.abspath(gguf_path)), os.path.basename(gguf_path)
     os.makedirs(os.path.dirname(out_dir), exist_ok=True)
     tmp = tempfile.mkdtemp(prefix=".convert-", dir=os.path.dirname(out_dir))
     try:
-        with tqdm(total=3, desc="Converting GGUF", unit="step") as bar:
-            bar.set_postfix_str("tokenizer")
-            tokenizer = AutoTokenizer.from_pretrained(folder, gguf_file=fname)
-            bar.update()
-            bar.set_postfix_str("weights")
+        loaded: dict = {}
+
+        def load_tokenizer() -> None:
+            loaded["tokenizer"] = AutoTokenizer.from_pretrained(folder, gguf_file=fname)
+
+        def load_weights() -> None:
             # Dequantised to float32 once; the runtime casts to its own dtype at load.
-            model = AutoModelForCausalLM.from_pretrained(folder, gguf_file=fname, dtype=torch.float32)
-            bar.update()
-            bar.set_postfix_str("saving")
+            loaded["model"] = AutoModelForCausalLM.from_pretrained(folder, gguf_file=fname, dtype=torch.float32)
+
+        def save() -> None:
             # The dequantised model is plain float weights: drop the GGUF quantisation marker
             # so it saves (and later loads) as an ordinary checkpoint.
+            model = loaded["model"]
             model.hf_quantizer = None
             if hasattr(model.config, "quantization_config"):
                 del model.config.quantization_config
             model.config.name_or_path = name or os.path.basename(gguf_path).removesuffix(".gguf")
             model.save_pretrained(tmp)
-            tokenizer.save_pretrained(tmp)
-            bar.update()
+            loaded["tokenizer"].save_pretrained(tmp)
+
+        for step in progress([load_tokenizer, load_weights, save], 3, "Converting GGUF (tokenizer, weights, save)"):
+            step()
         try:
             os.rename(tmp, out_dir)
         except OSError:

@@ -42,11 +42,24 @@ def read_narrow(src: TensorSource, dim: int, start: int, length: int) -> torch.T
     return src[tuple(index)]
 
 
-def iter_checkpoint(model_dir: str) -> Iterator[tuple[str, TensorSource]]:
+def checkpoint_files(model_dir: str) -> list[str]:
     files = sorted(glob.glob(os.path.join(model_dir, "*.safetensors")))
     if not files:
         raise FileNotFoundError(f"no .safetensors files in {model_dir}")
-    for path in files:
+    return files
+
+
+def count_checkpoint_tensors(model_dir: str) -> int:
+    """Reads only the headers."""
+    total = 0
+    for path in checkpoint_files(model_dir):
+        with safe_open(path, framework="pt") as f:
+            total += len(f.keys())
+    return total
+
+
+def iter_checkpoint(model_dir: str) -> Iterator[tuple[str, TensorSource]]:
+    for path in checkpoint_files(model_dir):
         with safe_open(path, framework="pt") as f:
             for name in f.keys():
                 yield name, f.get_slice(name)

@@ -1,0 +1,45 @@
+"""The command line: --help grouped with defaults, every flag from ServerArgs, and invalid
+values or combinations refused at start with one clear line (exit 2, no traceback)."""
+
+from __future__ import annotations
+
+import dataclasses
+import subprocess
+import sys
+
+import pytest
+
+from srt_lite.server_args import GROUP_ORDER, ServerArgs
+
+
+def cli(*args: str) -> subprocess.CompletedProcess:
+    return subprocess.run([sys.executable, "-m", "srt_lite.launch_server", *args], capture_output=True, text=True, timeout=60)
+
+
+def test_help_is_grouped_with_defaults_and_lists_every_flag():
+    r = cli("--help")
+    assert r.returncode == 0
+    out = r.stdout
+    positions = [out.index(f"\n{group}:\n") for group in GROUP_ORDER]
+    assert positions == sorted(positions), "groups appear in GROUP_ORDER"
+    for f in dataclasses.fields(ServerArgs):
+        assert "--" + f.name.replace("_", "-") in out, f.name
+    assert "(default: 30000)" in out and "(default: 127.0.0.1)" in out and "(default: lpm)" in out
+
+
+@pytest.mark.parametrize(
+    "args, message",
+    [
+        (["--tp-size", "0"], "error: --tp-size must be >= 1"),
+        (["--chunked-prefill-size", "0"], "error: --chunked-prefill-size must be positive or -1"),
+        (["--mem-fraction-static", "1.5"], "error: --mem-fraction-static must be in (0, 1)"),
+        (["--graceful-shutdown-timeout", "-1"], "error: --graceful-shutdown-timeout must be >= 0"),
+        (["--max-request-bytes", "10"], "error: --max-request-bytes must be >= 1024"),
+        (["--chat-template", "/nonexistent.jinja"], "error: --chat-template file not found: /nonexistent.jinja"),
+    ],
+)
+def test_invalid_flags_exit_with_one_line(args, message):
+    r = cli(*args)
+    assert r.returncode == 2
+    lines = r.stderr.strip().splitlines()
+    assert lines == [message], r.stderr
