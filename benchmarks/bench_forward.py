@@ -70,6 +70,7 @@ def main() -> None:
     parser.add_argument("--dtype", default="auto")
     parser.add_argument("--batch-sizes", default="1,4,16", type=lambda s: [int(x) for x in s.split(",")])
     parser.add_argument("--context", type=int, default=300, help="KV tokens per request before the decode step")
+    parser.add_argument("--shared-prefix", type=int, default=0, help="KV slots every decode row shares (a radix-cache hit)")
     parser.add_argument("--prefill", default="256,512", type=lambda s: [int(x) for x in s.split(",") if x])
     parser.add_argument("--steps", type=int, default=10)
     parser.add_argument("--max-total-tokens", type=int, default=32768)
@@ -83,9 +84,12 @@ def main() -> None:
     # for timing: attention cost does not depend on the values).
     max_b = max(args.batch_sizes)
     rows = [runner.req_to_token_pool.alloc() for _ in range(max_b)]
+    shared = pool.alloc(args.shared_prefix).to(torch.int32) if args.shared_prefix else None
     for row in rows:
         r2t[row, : args.context + 1] = pool.alloc(args.context + 1).to(torch.int32)
-    print(f"dtype {runner.dtype}, threads {torch.get_num_threads()}, context {args.context}")
+        if shared is not None:
+            r2t[row, : args.shared_prefix] = shared
+    print(f"dtype {runner.dtype}, threads {torch.get_num_threads()}, context {args.context}, shared prefix {args.shared_prefix}")
     for b in args.batch_sizes:
         ms = time_step(runner, lambda: make_batch(runner, rows[:b], [args.context] * b, [1] * b), args.steps)
         print(f"decode  B={b:<4d} {ms:8.1f} ms/step  {b / ms * 1e3:8.1f} tok/s")

@@ -103,3 +103,40 @@ def test_qwen3_q_k_norm_weights_are_used(tmp_path):
     runner.model.model.layers[0].self_attn.q_norm.weight.data.mul_(3.0)
     after = Harness(runner).prefill([ids]).all_logits
     assert (before - after).abs().max().item() > 1e-3
+
+
+def test_cascade_decode_over_shared_prefix_matches_transformers(tmp_path, monkeypatch):
+    """Decode rows that share their first 80 KV slots (a radix hit) take the cascade path
+    (shared prefix once + own suffixes, merged by log-sum-exp); logits still match HF."""
+    from srt_lite.layers.attention import torch_native_backend as tnb
+
+    calls = []
+    original = tnb.TorchNativeAttnBackend._cascade_decode
+    monkeypatch.setattr(tnb.TorchNativeAttnBackend, "_cascade_decode", staticmethod(lambda *a: calls.append(1) or original(*a)))
+    path = make_tiny_model("llama", tmp_path / "llama")
+    hf = AutoModelForCausalLM.from_pretrained(path, dtype=torch.float32).eval()
+    runner = ModelRunner(ModelConfig.load(path), ServerArgs(dtype="float32", max_total_tokens=2048))
+    g = torch.Generator().manual_seed(2)
+    prefix = torch.randint(3, 320, (80,), generator=g).tolist()
+    suffixes = [torch.randint(3, 320, (n,), generator=g).tolist() for n in (1, 4, 9, 15)]
+
+    h = Harness(runner)
+    h.prefill([prefix])
+    pool = runner.req_to_token_pool
+    rows = [pool.alloc() for _ in suffixes]
+    for row in rows:
+        pool.req_to_token[row, :80] = pool.req_to_token[h.rows[0], :80]
+    out = h.extend(rows, [80] * len(rows), suffixes, all_logits=False)
+    seqs = [prefix + s for s in suffixes]
+    h.rows, h.lens = rows, [len(s) for s in seqs]
+    logits = out.next_token_logits
+    for _ in range(3):
+        nxt = logits.argmax(-1).tolist()
+        for s, t in zip(seqs, nxt):
+            s.append(t)
+        logits = h.decode(nxt)
+        for b, s in enumerate(seqs):
+            with torch.no_grad():
+                ref = hf(torch.tensor([s])).logits[0, -1]
+            assert (logits[b] - ref).abs().max().item() < 1e-4
+    assert len(calls) == 3 * 2  # every decode step, in both layers

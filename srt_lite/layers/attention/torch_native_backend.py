@@ -9,6 +9,13 @@ The ragged batch is split into two groups, each attended with one SDPA call:
   sees slots 0..p of its own request); a lone fresh prompt needs no mask at all.
 Keeping them apart matters for mixed batches: padding 16 decode rows to a 500-token chunk
 would multiply the attention work by the chunk length.
+
+Decode rows that share a long prefix (a radix-cache hit: the same KV slots at the start of
+every row, e.g. a common system prompt or the n choices of one prompt) use cascade
+attention, FlashInfer's idea: all their queries attend to the shared prefix once, as one
+sequence, each row attends to its own suffix, and the two partial results are merged with
+their log-sum-exp weights. The prefix KV is then gathered and read once per layer instead of
+once per row.
 """
 
 from __future__ import annotations
@@ -37,6 +44,13 @@ class AttnGroup:
     q_cols: torch.Tensor | None  # [Tg] index within the row
     max_q: int
     causal: bool = False  # without a mask: a fresh prompt (causal) or one decode row (all keys)
+    # Cascade decode: slots of the prefix every row shares; kv_index/mask then cover the suffixes.
+    prefix_index: torch.Tensor | None = None  # [Lp] int64
+    suffix_bias: torch.Tensor | None = None  # [Bg, 1, 1, Ls] additive mask, built at first use
+
+
+# Shortest shared prefix worth the cascade's extra kernels.
+CASCADE_MIN_PREFIX = 64
 
 
 class TorchNativeAttnBackend(AttentionBackend):
@@ -71,6 +85,12 @@ class TorchNativeAttnBackend(AttentionBackend):
         key_valid = key_pos.unsqueeze(0) < seq  # [B, Lk]
         kv_index = slots.masked_fill(~key_valid, 0)
         if max_q == 1:
+            shared = self._shared_prefix_len(slots, seq_lens) if B > 1 else 0
+            if shared >= CASCADE_MIN_PREFIX:
+                return AttnGroup(
+                    tok_idx, kv_index[:, shared:], key_valid[:, None, None, shared:], None, None, 1,
+                    prefix_index=kv_index[0, :shared].contiguous(),
+                )
             # Decode: the only constraint is the sequence length (none for a single row).
             mask = key_valid[:, None, None, :] if B > 1 else None
             return AttnGroup(tok_idx, kv_index, mask, None, None, 1)
@@ -91,6 +111,16 @@ class TorchNativeAttnBackend(AttentionBackend):
         if B == 1:
             q_rows = q_cols = None  # one row, no padding: a view is enough
         return AttnGroup(tok_idx, kv_index, mask.unsqueeze(1), q_rows, q_cols, max_q)
+
+    @staticmethod
+    def _shared_prefix_len(slots: torch.Tensor, seq_lens: list[int]) -> int:
+        """Positions at the start where every row has the same KV slot; at most the shortest
+        row minus one, so every row keeps at least its own new token as suffix."""
+        n = min(seq_lens) - 1
+        if n <= 0:
+            return 0
+        same = (slots[:, :n] == slots[:1, :n]).all(0)  # [n]
+        return int(same.cumprod(0).sum())
 
     def forward(
         self,
@@ -118,6 +148,8 @@ class TorchNativeAttnBackend(AttentionBackend):
         q: torch.Tensor, k_buf: torch.Tensor, v_buf: torch.Tensor, g: AttnGroup, layer: "RadixAttention"
     ) -> torch.Tensor:
         """q [Tg, H * D] -> [Tg, H * D] for the rows of one group."""
+        if g.prefix_index is not None:
+            return TorchNativeAttnBackend._cascade_decode(q, k_buf, v_buf, g, layer)
         T = q.shape[0]
         H, Hkv, D = layer.num_heads, layer.num_kv_heads, layer.head_dim
         B, lk = g.kv_index.shape
@@ -143,3 +175,37 @@ class TorchNativeAttnBackend(AttentionBackend):
         if g.q_rows is not None:
             out = out[g.q_rows, g.q_cols]
         return out.reshape(T, H * D)
+
+    @staticmethod
+    def _cascade_decode(
+        q: torch.Tensor, k_buf: torch.Tensor, v_buf: torch.Tensor, g: AttnGroup, layer: "RadixAttention"
+    ) -> torch.Tensor:
+        """Decode rows over a shared prefix plus their own suffixes; q [B, H * D]."""
+        B = q.shape[0]
+        H, Hkv, D = layer.num_heads, layer.num_kv_heads, layer.head_dim
+        G = H // Hkv
+        flash = torch.ops.aten._scaled_dot_product_flash_attention_for_cpu
+        # Query heads of one KV head become query rows, so neither part needs GQA expansion.
+        qh = q.view(B, Hkv, G, D)
+        # Prefix: one sequence whose B * G queries per KV head all see every prefix token.
+        lp = g.prefix_index.shape[0]
+        k_pre = k_buf.index_select(0, g.prefix_index).view(1, lp, Hkv, D).transpose(1, 2)
+        v_pre = v_buf.index_select(0, g.prefix_index).view(1, lp, Hkv, D).transpose(1, 2)
+        q_pre = qh.permute(1, 0, 2, 3).reshape(1, Hkv, B * G, D)
+        o_pre, lse_pre = flash(q_pre, k_pre.to(q.dtype), v_pre.to(q.dtype), scale=layer.scaling)
+        o_pre = o_pre.view(Hkv, B, G, D).permute(1, 0, 2, 3)  # [B, Hkv, G, D]
+        lse_pre = lse_pre.view(Hkv, B, G).permute(1, 0, 2)  # [B, Hkv, G]
+        # Suffixes: each row's own tokens, padded, with an additive mask.
+        ls = g.kv_index.shape[1]
+        flat = g.kv_index.reshape(-1)
+        k_suf = k_buf.index_select(0, flat).view(B, ls, Hkv, D).transpose(1, 2)
+        v_suf = v_buf.index_select(0, flat).view(B, ls, Hkv, D).transpose(1, 2)
+        if g.suffix_bias is None or g.suffix_bias.dtype != q.dtype:
+            g.suffix_bias = torch.zeros(g.mask.shape, dtype=q.dtype, device=q.device).masked_fill_(~g.mask, float("-inf"))
+        o_suf, lse_suf = flash(qh, k_suf.to(q.dtype), v_suf.to(q.dtype), attn_mask=g.suffix_bias, scale=layer.scaling)
+        # Merge: softmax over the union = the parts weighted by their shares of the total mass.
+        m = torch.maximum(lse_pre, lse_suf)
+        w_pre = torch.exp(lse_pre - m).unsqueeze(-1)
+        w_suf = torch.exp(lse_suf - m).unsqueeze(-1)
+        out = (o_pre.float() * w_pre + o_suf.float() * w_suf) / (w_pre + w_suf)  # [B, Hkv, G, D]
+        return out.to(q.dtype).reshape(B, H * D)
