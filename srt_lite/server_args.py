@@ -114,7 +114,7 @@ class ServerArgs:
     device: str = _arg("auto", "cpu, cuda or auto.", "Runtime", choices=["auto", "cpu", "cuda"])
     tp_size: int = _arg(1, "Tensor-parallel size (one scheduler process per rank).", "Runtime")
     attention_backend: str = _arg(
-        "auto", "Attention kernels: auto = flashinfer on CUDA when installed, else torch_native.",
+        "auto", "Attention kernels: auto = torch_native (the flashinfer backend is planned, not yet available).",
         "Runtime", choices=["auto", "torch_native", "flashinfer"],
     )
     disable_weight_packing: bool = _arg(
@@ -146,6 +146,8 @@ class ServerArgs:
             raise ValueError("--max-total-tokens must be >= 16")
         if self.max_request_bytes < 1024:
             raise ValueError("--max-request-bytes must be >= 1024")
+        if self.attention_backend == "flashinfer":
+            raise ValueError("--attention-backend flashinfer is not available yet; use torch_native")
         if not self.graceful_shutdown_timeout >= 0:
             raise ValueError("--graceful-shutdown-timeout must be >= 0")
         if self.max_queued_requests < 0:
