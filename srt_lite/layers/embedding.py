@@ -46,7 +46,7 @@ class VocabParallelEmbedding(nn.Module):
         elif hidden.shape[0] == 1:
             logits = torch.mv(self.weight, hidden[0]).unsqueeze(0)
         else:
-            logits = torch.mm(self.weight, hidden.t()).t()
+            logits = torch.mm(self.weight, hidden.t()).t().contiguous()  # rows contiguous for sampling
         if self.tp_size > 1:
             logits = tp_all_gather(logits, dim=-1)
         return logits[:, : self.vocab_size]
