@@ -52,6 +52,19 @@ def make_tiny_model(kind: str, path) -> str:
     return str(path)
 
 
+def decode_and_compare(h: Harness, hf, seqs: list[list[int]], logits: torch.Tensor, steps: int) -> None:
+    """Greedy decode steps through the harness; each step's logits against a full HF recompute."""
+    for _ in range(steps):
+        nxt = logits.argmax(-1).tolist()
+        for s, t in zip(seqs, nxt):
+            s.append(t)
+        logits = h.decode(nxt)
+        for b, s in enumerate(seqs):
+            with torch.no_grad():
+                ref = hf(torch.tensor([s])).logits[0, -1]
+            assert (logits[b] - ref).abs().max().item() < 1e-4
+
+
 @pytest.mark.parametrize("kind", list(CASES))
 def test_tiny_model_matches_transformers(kind, tmp_path):
     path = make_tiny_model(kind, tmp_path / kind)
@@ -74,15 +87,7 @@ def test_tiny_model_matches_transformers(kind, tmp_path):
     # Decode 6 steps of greedy tokens; each step compares against a full recompute.
     seqs = [list(p) for p in prompts]
     logits = out.next_token_logits
-    for _ in range(6):
-        nxt = logits.argmax(-1).tolist()
-        for s, t in zip(seqs, nxt):
-            s.append(t)
-        logits = h.decode(nxt)
-        for b, s in enumerate(seqs):
-            with torch.no_grad():
-                ref = hf(torch.tensor([s])).logits[0, -1]
-            assert (logits[b] - ref).abs().max().item() < 1e-4
+    decode_and_compare(h, hf, seqs, logits, steps=6)
 
     # Cached prefix: a new request shares the first 10 slots of request 2 and extends.
     pool = runner.req_to_token_pool
@@ -130,13 +135,5 @@ def test_cascade_decode_over_shared_prefix_matches_transformers(tmp_path, monkey
     seqs = [prefix + s for s in suffixes]
     h.rows, h.lens = rows, [len(s) for s in seqs]
     logits = out.next_token_logits
-    for _ in range(3):
-        nxt = logits.argmax(-1).tolist()
-        for s, t in zip(seqs, nxt):
-            s.append(t)
-        logits = h.decode(nxt)
-        for b, s in enumerate(seqs):
-            with torch.no_grad():
-                ref = hf(torch.tensor([s])).logits[0, -1]
-            assert (logits[b] - ref).abs().max().item() < 1e-4
+    decode_and_compare(h, hf, seqs, logits, steps=3)
     assert len(calls) == 3 * 2  # every decode step, in both layers
