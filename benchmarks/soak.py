@@ -8,7 +8,7 @@ strings, seeds, n > 1, logprobs, the native /generate, and streams the client dr
 (the intended aborts). Every `--sample-interval` seconds it records the RSS of the server's
 process tree and the KV usage from /get_server_info. At the end it waits for the server to
 go idle and reports errors, latency percentiles per kind, RSS drift (from the first sample
-after warm-up to the last) and KV in use. Exit code 1 when any request failed or KV is still
+after warm-up at which the KV cache had been filled once, to the last) and KV in use. Exit code 1 when any request failed or KV is still
 held; the JSON report goes to benchmarks/results/soak-<label>.json.
 """
 
@@ -137,7 +137,8 @@ async def sample(client: httpx.AsyncClient, pid: int, t0: float) -> dict:
     row = {"t": round(time.monotonic() - t0, 1), "rss_mb": round(server_tree_rss_mb(pid), 1)}
     try:
         load = (await client.get("/get_server_info")).json().get("load", {})
-        row.update({k: load[k] for k in ("kv_used_tokens", "kv_cached_tokens", "num_running_reqs", "num_waiting_reqs") if k in load})
+        keys = ("kv_used_tokens", "kv_cached_tokens", "kv_capacity", "num_running_reqs", "num_waiting_reqs")
+        row.update({k: load[k] for k in keys if k in load})
     except (httpx.HTTPError, ValueError):
         pass  # another server without this endpoint: RSS only
     return row
@@ -165,7 +166,7 @@ async def run(args: argparse.Namespace) -> dict:
                 break
             await asyncio.sleep(0.5)
         samples.append(final)
-    warm = next((s for s in samples if s["t"] >= args.warmup), samples[0])
+    warm = drift_baseline(samples, args.warmup)
     report = {
         "duration_s": args.duration,
         "concurrency": args.concurrency,
@@ -174,12 +175,26 @@ async def run(args: argparse.Namespace) -> dict:
         "errors": len(stats.errors),
         "error_samples": stats.errors[:10],
         "latency_s": {k: percentiles(v) for k, v in stats.latencies.items()},
-        "rss_mb": {"after_warmup": warm["rss_mb"], "end": final["rss_mb"], "max": max(s["rss_mb"] for s in samples),
-                   "drift": round(final["rss_mb"] - warm["rss_mb"], 1)},
+        "rss_mb": {"baseline_at_s": warm["t"], "baseline": warm["rss_mb"], "end": final["rss_mb"],
+                   "max": max(s["rss_mb"] for s in samples), "drift": round(final["rss_mb"] - warm["rss_mb"], 1)},
         "kv_used_tokens_at_end": final.get("kv_used_tokens"),
         "samples": samples,
     }
     return report
+
+
+def drift_baseline(samples: list[dict], warmup: float) -> dict:
+    """The sample RSS drift is measured from: the first after `warmup` s at which the KV cache
+    has been filled (>= 90%). KV buffers are allocated untouched, so RSS legitimately rises
+    until every page has been used once; growth after that is what a leak would look like.
+    Without KV figures (another server), the first sample after `warmup`."""
+    later = [s for s in samples if s["t"] >= warmup] or samples[-1:]
+    for s in later:
+        if "kv_capacity" not in s:
+            return later[0]
+        if s["kv_used_tokens"] + s["kv_cached_tokens"] >= 0.9 * s["kv_capacity"]:
+            return s
+    return later[-1]  # never filled: no baseline after warm-up, so no drift is claimed
 
 
 def percentiles(values: list[float]) -> dict:
@@ -194,7 +209,7 @@ def main() -> None:
     parser.add_argument("--duration", type=float, default=1800.0, help="seconds of traffic")
     parser.add_argument("--concurrency", type=int, default=4)
     parser.add_argument("--sample-interval", type=float, default=10.0)
-    parser.add_argument("--warmup", type=float, default=None, help="RSS drift is measured from this time on (default: 10%% of the duration)")
+    parser.add_argument("--warmup", type=float, default=None, help="RSS drift is measured from this time on, once the KV cache is full (default: 10%% of the duration)")
     parser.add_argument("--timeout", type=float, default=120.0)
     parser.add_argument("--server-pid", type=int, default=None, help="default: the process listening on the URL's port")
     parser.add_argument("--seed", type=int, default=0)
