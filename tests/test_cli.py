@@ -44,3 +44,24 @@ def test_invalid_flags_exit_with_one_line(args, message):
     assert r.returncode == 2
     lines = r.stderr.strip().splitlines()
     assert lines == [message], r.stderr
+
+
+def test_progress_is_a_bar_on_a_terminal_and_log_lines_otherwise(monkeypatch, caplog, capsys):
+    import io
+    import logging
+
+    from srt_lite import utils
+
+    class Tty(io.StringIO):
+        def isatty(self) -> bool:
+            return True
+
+    tty = Tty()
+    monkeypatch.setattr(sys, "stderr", tty)
+    assert list(utils.progress(range(5), 5, "Loading weights")) == [0, 1, 2, 3, 4]
+    assert "Loading weights:   0%" in tty.getvalue() and "| 0/5 [" in tty.getvalue()  # tqdm drew a bar
+
+    monkeypatch.setattr(sys, "stderr", io.StringIO())  # a pipe or a log file
+    with caplog.at_level(logging.INFO, logger="srt_lite.utils"):
+        assert list(utils.progress(range(3), 3, "Warming up")) == [0, 1, 2]
+    assert [r.getMessage() for r in caplog.records] == ["Warming up: 0/3", "Warming up: 3/3 done"]
