@@ -170,3 +170,20 @@ def test_async_generate_and_input_ids(engine):
     out, chunks = asyncio.run(main())
     assert "Paris" in out["text"]
     assert "".join(c["text"] for c in chunks) == out["text"]
+
+
+def test_burst_with_shared_prompt_prefills_it_once(engine):
+    """Requests arriving together with one long common prefix: the first computes it, the
+    others wait a step and hit the cache (in-batch prefix check), outputs unchanged."""
+    system = "You are a careful assistant. " + "Answer briefly and precisely, with facts. " * 20
+    prompts = [system + f"Question {i}: name a colour." for i in range(4)]
+    alone = []
+    for p in prompts:
+        assert engine.flush_cache()
+        alone.append(engine.generate(p, GREEDY)["output_ids"])
+    assert engine.flush_cache()
+    together = engine.generate(prompts, GREEDY)
+    assert [o["output_ids"] for o in together] == alone
+    prefix = len(engine.tokenizer_manager.tokenize(system)) - 2  # the last tokens may merge
+    cached = sorted(o["meta_info"]["cached_tokens"] for o in together)
+    assert cached[0] == 0 and all(c >= prefix for c in cached[1:]), cached

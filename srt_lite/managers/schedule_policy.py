@@ -15,6 +15,8 @@ from srt_lite.managers.schedule_batch import Req
 
 # Requests beyond this queue length are not prefix-matched for ordering (too costly).
 LPM_MAX_QUEUE = 128
+# Uncached tokens a waiting request must share with one already in the batch to be deferred.
+IN_BATCH_PREFIX_MIN = 32
 
 
 def order_waiting_queue(queue: list[Req], policy: str, match_len: Callable[[Req], int]) -> None:
@@ -22,6 +24,20 @@ def order_waiting_queue(queue: list[Req], policy: str, match_len: Callable[[Req]
         lens = {id(r): match_len(r) for r in queue}
         queue.sort(key=lambda r: -lens[id(r)])  # stable: ties keep arrival order
     # fcfs (and retracted requests, which are put back at the front) keep queue order.
+
+
+def waits_for_in_batch_prefix(req: Req, batch: list[Req]) -> bool:
+    """True when req's next IN_BATCH_PREFIX_MIN uncached tokens (with everything before them)
+    are also the tokens of a request already in this prefill batch. Deferring req one step
+    turns that shared part into a radix-cache hit instead of computing it twice: a burst of
+    requests with one long system prompt costs one prefill of it, not one per request
+    (SGLang's in-batch prefix caching check)."""
+    end = req.prefix_len + IN_BATCH_PREFIX_MIN
+    ids = req.origin_input_ids
+    if len(ids) < end:
+        return False
+    head = ids[:end]
+    return any(other.origin_input_ids[:end] == head for other in batch)
 
 
 class PrefillAdder:

@@ -31,7 +31,7 @@ from srt_lite.managers.io_struct import (
     TokenizedGenerateReqInput,
 )
 from srt_lite.managers.schedule_batch import Req, ScheduleBatch
-from srt_lite.managers.schedule_policy import PrefillAdder, order_waiting_queue
+from srt_lite.managers.schedule_policy import PrefillAdder, order_waiting_queue, waits_for_in_batch_prefix
 from srt_lite.managers.tp_worker import GenerationResult, TpModelWorker
 from srt_lite.mem_cache.req_kv import ReqKVManager
 from srt_lite.model_config import ModelConfig
@@ -301,6 +301,9 @@ class Scheduler:
                 break
             if not self.kv.admit(req):
                 break
+            if not args.disable_radix_cache and waits_for_in_batch_prefix(req, adder.can_run):
+                self.kv.release(req)  # next step its prefix is a cache hit instead of a recompute
+                continue
             if not adder.try_add(req, self.kv.available(), self.decode_reserve(req)):
                 self.kv.release(req)
                 break
