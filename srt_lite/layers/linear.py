@@ -24,6 +24,15 @@ def divide(a: int, b: int) -> int:
 
 # Batch size oneDNN tunes a prepacked weight's layout for (decode batches are small).
 _PACK_BATCH_HINT = 16
+# oneDNN builds (JIT) and caches a primitive per input shape: ~20 ms and ~3 MB for each new
+# token count. Mixed batches see a new count almost every step, so counts above
+# EXACT_ROWS are padded up to a multiple of ROW_BUCKET: a few dozen shapes, all soon cached.
+EXACT_ROWS = 16
+ROW_BUCKET = 32
+
+
+def bucketed_rows(n: int) -> int:
+    return n if n <= EXACT_ROWS else -(-n // ROW_BUCKET) * ROW_BUCKET
 
 
 class PackableLinear(nn.Module):
@@ -44,9 +53,13 @@ class PackableLinear(nn.Module):
         self.weight.data = torch.empty(0, dtype=self.weight.dtype)
 
     def matmul(self, x: torch.Tensor, bias: torch.Tensor | None) -> torch.Tensor:
-        if self.packed_weight is not None:
-            return torch.ops.mkldnn._linear_pointwise(x, self.packed_weight, bias, "none", [], "")
-        return F.linear(x, self.weight, bias)
+        if self.packed_weight is None:
+            return F.linear(x, self.weight, bias)
+        n = x.shape[0]
+        rows = bucketed_rows(n)
+        if rows != n:
+            x = F.pad(x, (0, 0, 0, rows - n))  # [rows, in]; the extra rows are dropped below
+        return torch.ops.mkldnn._linear_pointwise(x, self.packed_weight, bias, "none", [], "")[:n]
 
 
 def pack_linears_for_cpu(model: nn.Module) -> int:
