@@ -46,13 +46,13 @@ def test_signal_stops_everything_within_5s(sig):
         assert_gone(children, ipc)
 
 
-def _stream_finish(lines) -> tuple[dict, int]:
-    """Reads the rest of a /generate SSE stream: (last meta_info, number of events)."""
-    last, n = None, 0
+def _stream_finish(lines) -> dict:
+    """Reads the rest of a /generate SSE stream: its last meta_info."""
+    last = None
     for line in lines:
         if line.startswith("data: ") and line != "data: [DONE]":
-            last, n = json.loads(line[6:]), n + 1
-    return last["meta_info"], n
+            last = json.loads(line[6:])
+    return last["meta_info"]
 
 
 def test_sigterm_drains_in_flight_requests_within_grace():
@@ -70,7 +70,7 @@ def test_sigterm_drains_in_flight_requests_within_grace():
             time.sleep(0.5)
             health = httpx.get(s.base_url + "/health", timeout=5)
             refused = httpx.post(s.base_url + "/generate", json={"text": "late"}, timeout=5)
-            meta, _ = _stream_finish(lines)
+            meta = _stream_finish(lines)
             done = other.result()
         assert health.status_code == 503 and "shutting down" in health.json()["error"]["message"]
         assert refused.status_code == 503
@@ -88,7 +88,7 @@ def test_sigterm_aborts_what_outlasts_the_grace():
             next(lines)
             t0 = time.monotonic()
             s.proc.send_signal(signal.SIGTERM)
-            meta, _ = _stream_finish(lines)
+            meta = _stream_finish(lines)
         assert meta["finish_reason"]["type"] == "abort"
         assert 0.8 < time.monotonic() - t0 < 5
         assert meta["completion_tokens"] < 3000

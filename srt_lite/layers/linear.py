@@ -13,6 +13,7 @@ import torch.nn.functional as F
 from torch import nn
 
 from srt_lite.distributed import get_tp_rank, get_tp_size, tp_all_reduce
+from srt_lite.layers.embedding import VocabParallelEmbedding
 from srt_lite.model_loader.weight_utils import TensorSource, read_narrow
 
 
@@ -62,18 +63,14 @@ class PackableLinear(nn.Module):
         return torch.ops.mkldnn._linear_pointwise(x, self.packed_weight, bias, "none", [], "")[:n]
 
 
-def pack_linears_for_cpu(model: nn.Module) -> int:
-    """Prepacks every linear of a bfloat16 CPU model (and switches the LM head to its
-    in-place product); returns how many linears."""
-    from srt_lite.layers.embedding import VocabParallelEmbedding
-
-    layers = [m for m in model.modules() if isinstance(m, PackableLinear)]
-    for m in layers:
-        m.pack_for_cpu()
+def pack_linears_for_cpu(model: nn.Module) -> None:
+    """Prepacks every linear of a bfloat16 CPU model and switches the LM head to its
+    in-place product."""
     for m in model.modules():
-        if isinstance(m, VocabParallelEmbedding):
+        if isinstance(m, PackableLinear):
+            m.pack_for_cpu()
+        elif isinstance(m, VocabParallelEmbedding):
             m.weight_major_logits = True
-    return len(layers)
 
 
 class ColumnParallelLinear(PackableLinear):
