@@ -20,7 +20,7 @@ def _arg(default: Any, help: str, group: str, choices: list | None = None, **ext
     )
 
 
-GROUP_ORDER = ["Model", "HTTP server", "Memory and scheduling", "Runtime", "Logging"]
+GROUP_ORDER = ["Model", "HTTP server", "Memory and scheduling", "Speculative decoding", "Runtime", "Logging"]
 
 
 @dataclass
@@ -110,6 +110,23 @@ class ServerArgs:
         "(mixing is SGLang's --enable-mixed-chunk, on by default here).",
         "Memory and scheduling",
     )
+    # Speculative decoding
+    speculative_algorithm: str | None = _arg(
+        None,
+        "NGRAM: draft tokens by looking up each request's last tokens in its own prompt and "
+        "output, and verify them in one forward (greedy requests only; the output is the same). "
+        "Default: off.",
+        "Speculative decoding", choices=["ngram", "NGRAM"],
+    )
+    speculative_num_draft_tokens: int = _arg(
+        4, "Most draft tokens verified per request and step.", "Speculative decoding"
+    )
+    speculative_ngram_min_match_window_size: int = _arg(
+        1, "Shortest tail (in tokens) looked up to find a draft.", "Speculative decoding"
+    )
+    speculative_ngram_max_match_window_size: int = _arg(
+        4, "Longest tail looked up; the longest one found wins.", "Speculative decoding"
+    )
     # Runtime
     device: str = _arg("auto", "cpu, cuda or auto.", "Runtime", choices=["auto", "cpu", "cuda"])
     tp_size: int = _arg(1, "Tensor-parallel size (one scheduler process per rank).", "Runtime")
@@ -158,6 +175,12 @@ class ServerArgs:
             raise ValueError("--max-prefill-tokens must be >= 1")
         if self.chunked_prefill_size is not None and (self.chunked_prefill_size == 0 or self.chunked_prefill_size < -1):
             raise ValueError("--chunked-prefill-size must be positive or -1")
+        if self.speculative_num_draft_tokens < 1:
+            raise ValueError("--speculative-num-draft-tokens must be >= 1")
+        if not 1 <= self.speculative_ngram_min_match_window_size <= self.speculative_ngram_max_match_window_size:
+            raise ValueError(
+                "--speculative-ngram-min-match-window-size must be >= 1 and <= --speculative-ngram-max-match-window-size"
+            )
         if self.context_length is not None and self.context_length < 2:
             raise ValueError("--context-length must be >= 2")
         if not 0 < self.port < 65536:

@@ -111,13 +111,14 @@ def test_qwen3_q_k_norm_weights_are_used(tmp_path):
 
 
 def test_cascade_decode_over_shared_prefix_matches_transformers(tmp_path, monkeypatch):
-    """Decode rows that share their first 80 KV slots (a radix hit) take the cascade path
-    (shared prefix once + own suffixes, merged by log-sum-exp); logits still match HF."""
+    """Rows that share their first 80 KV slots (a radix hit) take the cascade path (shared
+    prefix once + own suffixes, merged by log-sum-exp): the extend step's short rows (verify
+    rows, as in speculative decoding) and the decode steps; logits still match HF."""
     from srt_lite.layers.attention import torch_native_backend as tnb
 
     calls = []
-    original = tnb.TorchNativeAttnBackend._cascade_decode
-    monkeypatch.setattr(tnb.TorchNativeAttnBackend, "_cascade_decode", staticmethod(lambda *a: calls.append(1) or original(*a)))
+    original = tnb.TorchNativeAttnBackend._attend_folded
+    monkeypatch.setattr(tnb.TorchNativeAttnBackend, "_attend_folded", staticmethod(lambda *a: calls.append(1) or original(*a)))
     path = make_tiny_model("llama", tmp_path / "llama")
     hf = AutoModelForCausalLM.from_pretrained(path, dtype=torch.float32).eval()
     runner = ModelRunner(ModelConfig.load(path), ServerArgs(dtype="float32", max_total_tokens=2048))
@@ -136,4 +137,6 @@ def test_cascade_decode_over_shared_prefix_matches_transformers(tmp_path, monkey
     h.rows, h.lens = rows, [len(s) for s in seqs]
     logits = out.next_token_logits
     decode_and_compare(h, hf, seqs, logits, steps=3)
-    assert len(calls) == 3 * 2  # every decode step, in both layers
+    # Both layers: the extend step (rows of 4, 9 and 15 tokens; the 1-token row is a decode
+    # row of its own) and every decode step.
+    assert len(calls) == 2 + 3 * 2

@@ -13,7 +13,8 @@ if TYPE_CHECKING:
 
 @dataclass
 class LogitsProcessorOutput:
-    next_token_logits: torch.Tensor  # [B, vocab] float32, at each request's last new token
+    # [B, vocab] float32 at each request's last new token, or [R, vocab] at fb.logit_index
+    next_token_logits: torch.Tensor
     all_logits: torch.Tensor | None = None  # [T, vocab] float32 when return_all_logits
 
 
@@ -25,9 +26,10 @@ class LogitsProcessor(nn.Module):
     ) -> LogitsProcessorOutput:
         if fb.forward_mode.is_decode():
             return LogitsProcessorOutput(lm_head.compute_logits(hidden).float())
+        index = fb.logit_index
+        if index is None:
+            index = torch.tensor(fb.extend_seq_lens_cpu, device=hidden.device).cumsum(0) - 1
         if fb.return_all_logits:
             all_logits = lm_head.compute_logits(hidden).float()
-            last = torch.tensor(fb.extend_seq_lens_cpu, device=hidden.device).cumsum(0) - 1
-            return LogitsProcessorOutput(all_logits[last], all_logits)
-        last = torch.tensor(fb.extend_seq_lens_cpu, device=hidden.device).cumsum(0) - 1
-        return LogitsProcessorOutput(lm_head.compute_logits(hidden[last]).float())
+            return LogitsProcessorOutput(all_logits[index], all_logits)
+        return LogitsProcessorOutput(lm_head.compute_logits(hidden[index]).float())

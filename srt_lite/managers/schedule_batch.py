@@ -5,7 +5,8 @@ Token bookkeeping of a request:
     kv_len   = tokens of fill_ids whose KV is in the pool (prefix hit + computed so far)
     req_to_token[req_pool_idx, :kv_len]  their KV slots
 A prefill step computes fill_ids[kv_len : kv_len + extend_len]; a decode step computes the
-last output token. Only a step that reaches the end of fill_ids produces a new token.
+last output token (and with speculative decoding its draft tokens after it). Only a step that
+reaches the end of fill_ids produces new tokens.
 """
 
 from __future__ import annotations
@@ -49,6 +50,10 @@ class Req:
     last_node: "TreeNode | None" = None  # locked radix node covering the cached part
     # this step's extend
     extend_len: int = 0
+    # Speculative decoding: tokens guessed after the last output token, checked this step
+    # (a decode row then computes 1 + len(draft_ids) tokens).
+    draft_ids: list[int] = field(default_factory=list)
+    ngram_index: Any = None  # speculative.ngram.NgramIndex over fill_ids, built on first use
     # lifecycle
     finished_reason: dict[str, Any] | None = None
     to_abort: bool = False
@@ -92,17 +97,19 @@ class ScheduleBatch:
 
     def to_forward_batch(self, out_cache_loc: torch.Tensor, device: str, return_all_logits: bool = False) -> ForwardBatch:
         """Tokens to compute: each request's extend_len tokens after its kv_len."""
-        if not self.is_prefill:
-            input_ids = [r.output_ids[-1] for r in self.reqs]
-        else:
-            input_ids = [r.output_ids[-1] for r in self.reqs[: self.num_decode]]
-            for r in self.reqs[self.num_decode :]:
-                input_ids.extend(r.fill_ids[r.kv_len : r.kv_len + r.extend_len])
+        nd = self.num_decode if self.is_prefill else len(self.reqs)
+        input_ids: list[int] = []
+        for r in self.reqs[:nd]:
+            input_ids.append(r.output_ids[-1])
+            input_ids.extend(r.draft_ids)
+        for r in self.reqs[nd:]:
+            input_ids.extend(r.fill_ids[r.kv_len : r.kv_len + r.extend_len])
         return ForwardBatch.create(
             input_ids=input_ids,
             req_pool_indices=[r.req_pool_idx for r in self.reqs],
             prefix_lens=[r.kv_len for r in self.reqs],
             extend_lens=[r.extend_len for r in self.reqs],
+            num_logits=[1 + len(r.draft_ids) for r in self.reqs[:nd]] + [1] * (len(self.reqs) - nd),
             out_cache_loc=out_cache_loc,
             device=device,
             return_all_logits=return_all_logits,

@@ -39,6 +39,7 @@ from srt_lite.parser.stop_strings import find_stop
 from srt_lite.sampling.sampling_batch_info import SamplingBatchInfo
 from srt_lite.sampling.sampling_params import SamplingParams
 from srt_lite.server_args import PortArgs, ServerArgs
+from srt_lite.speculative.ngram import NgramProposer
 from srt_lite.distributed.parallel_state import broadcast_messages, init_distributed
 from srt_lite.utils import configure_logging, init_child_process, resolve_device, zmq_socket
 
@@ -67,6 +68,13 @@ class Scheduler:
         self.context_len = self.model_config.context_len
         self.max_running = min(server_args.max_running_requests, runner.req_to_token_pool.size)
         self.chunk_size = server_args.chunked_prefill_size or (512 if self.device == "cpu" else 8192)
+        self.drafter = None
+        if server_args.speculative_algorithm:
+            self.drafter = NgramProposer(
+                server_args.speculative_num_draft_tokens,
+                server_args.speculative_ngram_min_match_window_size,
+                server_args.speculative_ngram_max_match_window_size,
+            )
         if not server_args.skip_server_warmup:
             runner.warmup(min(self.max_running, 16))
         self.eos_ids = set(self.model_config.eos_token_ids)
@@ -283,11 +291,12 @@ class Scheduler:
         if mixed and self.kv.available() < len(self.running):
             return None  # decode alone first: it retracts to make room
         num_decode = len(self.running) if mixed else 0
+        decode_tokens = num_decode + (self.plan_drafts(self.running) if mixed else 0)
         chunk = self.chunk_size if self.chunk_size > 0 else 1 << 62
         adder = PrefillAdder(
-            sum(self.decode_reserve(r) for r in self.running) + num_decode,
+            sum(self.decode_reserve(r) for r in self.running) + decode_tokens,
             args.max_prefill_tokens,
-            max(chunk - num_decode, 1),
+            max(chunk - decode_tokens, 1),
             len(self.running),
         )
         if self.chunked_req is not None:
@@ -316,10 +325,8 @@ class Scheduler:
             return None
         self.chunked_req = adder.chunked_req
         decoding = list(self.running) if mixed else []
-        for r in decoding:
-            r.extend_len = 1
         batch = ScheduleBatch(decoding + adder.can_run, is_prefill=True, num_decode=num_decode)
-        out_cache_loc = self.kv.alloc(num_decode + adder.new_tokens)
+        out_cache_loc = self.kv.alloc(decode_tokens + adder.new_tokens)
         assert out_cache_loc is not None, "admission checked KV availability"
         off = 0
         for r in batch.reqs:
@@ -343,12 +350,31 @@ class Scheduler:
                     return None
         else:
             self.new_token_ratio = max(self.new_token_ratio - NEW_TOKEN_RATIO_DECAY, MIN_NEW_TOKEN_RATIO)
-        out_cache_loc = self.kv.alloc(len(self.running))
+        drafts = self.plan_drafts(self.running)
+        out_cache_loc = self.kv.alloc(len(self.running) + drafts)
         assert out_cache_loc is not None
-        for r, slot in zip(self.running, out_cache_loc):
-            r.extend_len = 1
-            self.kv.write(r, r.kv_len, slot.view(1))
+        off = 0
+        for r in self.running:
+            self.kv.write(r, r.kv_len, out_cache_loc[off : off + r.extend_len])
+            off += r.extend_len
         return ScheduleBatch(list(self.running), is_prefill=False), out_cache_loc
+
+    def plan_drafts(self, reqs: list[Req]) -> int:
+        """Sets each decoding request's draft tokens (none without speculative decoding) and
+        extend_len; returns the number of draft tokens, which must fit in free KV next to
+        one slot per request."""
+        room_kv = self.kv.available() - len(reqs)
+        total = 0
+        for r in reqs:
+            r.draft_ids = []
+            if self.drafter is not None and room_kv - total > 0:
+                left = r.sampling_params.max_new_tokens - len(r.output_ids) - 1
+                # Positions up to context_len - 1 exist; the step's last is seq_len - 1 + d.
+                room = min(left, self.context_len - r.seq_len, room_kv - total)
+                r.draft_ids = self.drafter.propose(r, room)
+                total += len(r.draft_ids)
+            r.extend_len = 1 + len(r.draft_ids)
+        return total
 
     def retract(self) -> None:
         """Frees KV by sending requests back to the waiting queue, fewest generated tokens
@@ -427,20 +453,31 @@ class Scheduler:
         """reqs are the running batch (rows 0..len(reqs)-1 of the step)."""
         next_ids = result.sample.next_ids[: len(reqs)]
         tokens = next_ids.tolist()
+        # Penalty counts and min_new_tokens see the first new token; rows that drafted have
+        # neither (NgramProposer.eligible).
         self.running_info.update(next_ids)
         finished = []
+        new_tokens = 0
         for row, (req, tok) in enumerate(zip(reqs, tokens)):
-            req.kv_len += 1
-            req.output_ids.append(tok)
-            self.record_logprobs(req, result, row)
-            self.check_finish(req)
+            written = req.kv_len + req.extend_len  # KV slots filled this step
+            for t in result.accepted.get(row, [tok]):
+                req.kv_len += 1  # the KV of the token before t is now part of the sequence
+                req.output_ids.append(t)
+                new_tokens += 1
+                self.record_logprobs(req, result, row)
+                self.check_finish(req)
+                if req.finished:
+                    break
+            if req.kv_len < written:
+                self.kv.free_tail(req, written)  # rejected draft tokens, or tokens after a stop
+            req.draft_ids = []
             if req.finished:
                 finished.append(req)
                 self.kv.release(req)
         self.remove_running(finished)
         self.send_outputs(reqs)
         self.decode_steps += 1
-        self.decode_tokens_since_log += len(reqs)
+        self.decode_tokens_since_log += new_tokens
         if self.decode_steps % self.server_args.decode_log_interval == 0:
             self.log_decode()
 

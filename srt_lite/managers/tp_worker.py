@@ -2,7 +2,8 @@
 
 from __future__ import annotations
 
-from dataclasses import dataclass
+import itertools
+from dataclasses import dataclass, field
 
 import torch
 
@@ -12,13 +13,17 @@ from srt_lite.model_executor.model_runner import ModelRunner
 from srt_lite.sampling.sampler import LogprobRequest, Sampler, SampleOutput, gather_logprobs
 from srt_lite.sampling.sampling_batch_info import SamplingBatchInfo
 from srt_lite.server_args import ServerArgs
+from srt_lite.speculative.ngram import accept_greedy
 
 
 @dataclass
 class GenerationResult:
-    sample: SampleOutput
+    sample: SampleOutput  # one token per request: the one after its last input token
     # row -> prompt logprob entries computed in this step (prefill with logprob_start_len)
     input_logprobs: dict[int, dict[str, list]]
+    # Speculative decoding: row -> the new tokens of a request that had draft tokens
+    # (the accepted draft prefix plus the model's token after it).
+    accepted: dict[int, list[int]] = field(default_factory=dict)
 
 
 class TpModelWorker:
@@ -37,11 +42,42 @@ class TpModelWorker:
         prompt_rows = [i for i, r in enumerate(batch.reqs) if batch.is_prefill and wants_input_logprobs(r)]
         fb = batch.to_forward_batch(out_cache_loc, self.device, return_all_logits=bool(prompt_rows))
         out = self.model_runner.forward(fb)
-        sample = self.sample(out.next_token_logits, batch.reqs, infos)
+        accepted = {}
+        if fb.logit_index is None:
+            sample = self.sample(out.next_token_logits, batch.reqs, infos)
+        else:
+            sample, accepted = self.verify(out.next_token_logits, batch.reqs, infos)
         input_logprobs = {}
         if prompt_rows:
             input_logprobs = self.input_logprobs(batch, prompt_rows, out.all_logits)
-        return GenerationResult(sample, input_logprobs)
+        return GenerationResult(sample, input_logprobs, accepted)
+
+    def verify(
+        self, logits: torch.Tensor, reqs: list[Req], infos: list[SamplingBatchInfo]
+    ) -> tuple[SampleOutput, dict[int, list[int]]]:
+        """Samples every logits row (a request with d draft tokens has 1 + d of them, in
+        order) with its request's parameters, then accepts each draft's matching prefix.
+        Only greedy requests draft (NgramProposer.eligible), so sampling a draft position
+        on its own is exact."""
+        counts = [1 + len(r.draft_ids) for r in reqs]
+        expanded, start = [], 0
+        for info in infos:
+            part = counts[start : start + info.batch_size]
+            expanded.append(info.repeat_rows(part) if any(c != 1 for c in part) else info)
+            start += info.batch_size
+        flat_reqs = [r for r, c in zip(reqs, counts) for _ in range(c)]
+        flat = self.sample(logits, flat_reqs, expanded)
+        first = [0, *itertools.accumulate(counts)][:-1]  # logits row of each request's first position
+        ids = flat.next_ids.tolist()
+        accepted = {
+            b: accept_greedy(r.draft_ids, ids[first[b] : first[b] + counts[b]])
+            for b, r in enumerate(reqs)
+            if r.draft_ids
+        }
+        # Requests with logprobs never draft, so their one row is at first[b].
+        logprobs = {b: flat.logprobs[first[b]] for b in range(len(reqs)) if flat.logprobs and first[b] in flat.logprobs}
+        index = torch.tensor(first, dtype=torch.int64, device=flat.next_ids.device)
+        return SampleOutput(flat.next_ids.index_select(0, index), logprobs or None), accepted
 
     def sample(self, logits: torch.Tensor, reqs: list[Req], infos: list[SamplingBatchInfo]) -> SampleOutput:
         if len(infos) == 1:

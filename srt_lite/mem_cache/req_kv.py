@@ -66,6 +66,12 @@ class ReqKVManager:
     def write(self, req: Req, start: int, slots: torch.Tensor) -> None:
         self.req_to_token_pool.req_to_token[req.req_pool_idx, start : start + slots.numel()] = slots.to(torch.int32)
 
+    def free_tail(self, req: Req, end: int) -> None:
+        """Returns the slots req wrote past its sequence, [kv_len, end), to the free list:
+        draft tokens the model rejected (speculative decoding)."""
+        row = self.req_to_token_pool.req_to_token[req.req_pool_idx]
+        self.token_to_kv_pool.free(row[req.kv_len : end].to(torch.int64))
+
     def cache_unfinished(self, req: Req) -> None:
         """Moves req's computed tokens into the tree and re-locks the longer path, so that
         concurrent requests (n > 1, shared system prompts) can reuse them at once."""

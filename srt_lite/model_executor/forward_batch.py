@@ -7,6 +7,7 @@ all requests are concatenated (ragged, no padding) in `input_ids`/`positions`/`o
 
 from __future__ import annotations
 
+import itertools
 from dataclasses import dataclass
 from enum import Enum, auto
 from typing import TYPE_CHECKING, Any
@@ -43,6 +44,9 @@ class ForwardBatch:
     attn_backend: "AttentionBackend | None" = None
     # Logits for every new token (prompt logprobs, tests) instead of the last one per request.
     return_all_logits: bool = False
+    # Tokens whose logits the sampler needs, when some request wants more than its last one
+    # (speculative decoding verifies every draft position); None = each request's last token.
+    logit_index: torch.Tensor | None = None  # [R] int64 token indices
     # Filled by the attention backend's init_forward_metadata.
     attn_metadata: Any = None
 
@@ -60,9 +64,17 @@ class ForwardBatch:
         out_cache_loc: torch.Tensor,
         device: str,
         return_all_logits: bool = False,
+        num_logits: list[int] | None = None,
     ) -> "ForwardBatch":
-        """Builds the tensors from host lists; positions continue each request's prefix."""
+        """Builds the tensors from host lists; positions continue each request's prefix.
+        num_logits[b]: how many of request b's last new tokens need logits (default 1)."""
         seq_lens = [p + e for p, e in zip(prefix_lens, extend_lens)]
+        logit_index = None
+        if num_logits is not None and any(n != 1 for n in num_logits):
+            ends = list(itertools.accumulate(extend_lens))
+            logit_index = torch.tensor(
+                [t for end, n in zip(ends, num_logits) for t in range(end - n, end)], dtype=torch.int64, device=device
+            )
         decode = all(e == 1 for e in extend_lens) and not return_all_logits
         positions = torch.cat(
             [torch.arange(p, p + e, dtype=torch.int64) for p, e in zip(prefix_lens, extend_lens)]
@@ -79,4 +91,5 @@ class ForwardBatch:
             extend_seq_lens_cpu=list(extend_lens),
             extend_prefix_lens_cpu=list(prefix_lens),
             return_all_logits=return_all_logits,
+            logit_index=logit_index,
         )

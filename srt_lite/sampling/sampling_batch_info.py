@@ -8,6 +8,7 @@ Optional tensors (logit_bias, penalties, min-token bans) exist only while some r
 
 from __future__ import annotations
 
+import dataclasses
 from dataclasses import dataclass
 from typing import TYPE_CHECKING
 
@@ -130,6 +131,19 @@ class SamplingBatchInfo:
         if self.min_tokens_left is not None and not bool(self.min_tokens_left.any()):
             self.min_tokens_left = self.min_tokens_ban = None
         self._refresh_flags()
+
+    def repeat_rows(self, counts: list[int]) -> "SamplingBatchInfo":
+        """A new info whose row b appears counts[b] times (to sample several positions of one
+        request, as speculative verification does); self is unchanged."""
+        idx = torch.repeat_interleave(torch.arange(len(counts), device=self.device), torch.tensor(counts, device=self.device))
+        out = dataclasses.replace(self)
+        for name in self._ROW_TENSORS:
+            t = getattr(self, name)
+            if t is not None:
+                setattr(out, name, t.index_select(0, idx))
+        out.generators = [g for g, n in zip(self.generators, counts) for _ in range(n)]
+        out._refresh_flags()
+        return out
 
     def merge(self, other: "SamplingBatchInfo") -> None:
         """Appends other's rows after ours."""

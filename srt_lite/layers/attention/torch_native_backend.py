@@ -1,17 +1,21 @@
 """Attention with torch's scaled_dot_product_attention, for any device (the CPU path).
 
-The ragged batch is split into two groups, each attended with one SDPA call:
+The ragged batch is split into up to three groups, each attended with one SDPA call:
 - decode rows (one new token): queries [B, 1, H, D] against each request's whole KV
   [B, Lk, Hkv, D], gathered from the pool through req_to_token and padded to the longest,
   with a key-length mask;
+- verify rows (a few new tokens on a long prefix: a decode step with speculative draft
+  tokens): like extend rows, but the query heads of each KV head and the row's tokens are
+  folded into one query axis [B, Hkv, G * Lq, D], which the CPU flash kernel runs about twice
+  as fast as GQA over [B, H, Lq, D];
 - extend rows (a prompt or a chunk of one, maybe after a cached prefix): queries padded to
   [B, Lq, H, D] with a mask that is causal in absolute positions (a new token at position p
   sees slots 0..p of its own request); a lone fresh prompt needs no mask at all.
 Keeping them apart matters for mixed batches: padding 16 decode rows to a 500-token chunk
 would multiply the attention work by the chunk length.
 
-Decode rows that share a long prefix (a radix-cache hit: the same KV slots at the start of
-every row, e.g. a common system prompt or the n choices of one prompt) use cascade
+Decode and verify rows that share a long prefix (a radix-cache hit: the same KV slots at the
+start of every row, e.g. a common system prompt or the n choices of one prompt) use cascade
 attention, FlashInfer's idea: all their queries attend to the shared prefix once, as one
 sequence, each row attends to its own suffix, and the two partial results are merged with
 their log-sum-exp weights. The prefix KV is then gathered and read once per layer instead of
@@ -20,6 +24,7 @@ once per row.
 
 from __future__ import annotations
 
+import itertools
 from dataclasses import dataclass
 from typing import TYPE_CHECKING
 
@@ -44,13 +49,17 @@ class AttnGroup:
     q_cols: torch.Tensor | None  # [Tg] index within the row
     max_q: int
     causal: bool = False  # without a mask: a fresh prompt (causal) or one decode row (all keys)
-    # Cascade decode: slots of the prefix every row shares; kv_index/mask then cover the suffixes.
+    # Query heads of a KV head folded with the row's tokens into one axis (decode, verify).
+    folded: bool = False
+    # Cascade: slots of the prefix every row shares; kv_index/mask then cover the suffixes.
     prefix_index: torch.Tensor | None = None  # [Lp] int64
-    suffix_bias: torch.Tensor | None = None  # [Bg, 1, 1, Ls] additive mask, built at first use
+    bias: torch.Tensor | None = None  # [Bg, 1, G * Lq, Lk] additive mask of a folded group, built at first use
 
 
 # Shortest shared prefix worth the cascade's extra kernels.
 CASCADE_MIN_PREFIX = 64
+# Rows with at most this many new tokens (and a prefix) are verify rows, attended folded.
+VERIFY_MAX_Q = 16
 
 
 class TorchNativeAttnBackend(AttentionBackend):
@@ -58,17 +67,22 @@ class TorchNativeAttnBackend(AttentionBackend):
         self.device = device
 
     def init_forward_metadata(self, fb: "ForwardBatch") -> None:
-        ext = fb.extend_seq_lens_cpu
-        decode_rows = [b for b, e in enumerate(ext) if e == 1]
-        extend_rows = [b for b, e in enumerate(ext) if e > 1]
-        if not extend_rows or not decode_rows:
-            fb.attn_metadata = [self._group(fb, list(range(fb.batch_size)), None)]
+        ext, prefix = fb.extend_seq_lens_cpu, fb.extend_prefix_lens_cpu
+
+        def kind(b: int) -> int:
+            if ext[b] == 1:
+                return 0  # decode
+            return 1 if ext[b] <= VERIFY_MAX_Q and prefix[b] > 0 else 2  # verify, extend
+
+        kinds = [kind(b) for b in range(fb.batch_size)]
+        parts = [[b for b in range(fb.batch_size) if kinds[b] == k] for k in range(3)]
+        parts = [rows for rows in parts if rows]
+        if len(parts) == 1:
+            fb.attn_metadata = [self._group(fb, parts[0], None)]
             return
-        starts = [0]
-        for e in ext:
-            starts.append(starts[-1] + e)
+        starts = [0, *itertools.accumulate(ext)]
         groups = []
-        for rows in (decode_rows, extend_rows):
+        for rows in parts:
             tok = [t for b in rows for t in range(starts[b], starts[b + 1])]
             groups.append(self._group(fb, rows, torch.tensor(tok, dtype=torch.int64, device=self.device)))
         fb.attn_metadata = groups
@@ -84,12 +98,13 @@ class TorchNativeAttnBackend(AttentionBackend):
         seq = torch.tensor(seq_lens, device=self.device).unsqueeze(1)  # [B, 1]
         key_valid = key_pos.unsqueeze(0) < seq  # [B, Lk]
         kv_index = slots.masked_fill(~key_valid, 0)
+        # Cascade needs rows whose shared slots are all before their new tokens.
+        shared = self._shared_prefix_len(slots, min(prefix)) if B > 1 and max_q <= VERIFY_MAX_Q else 0
         if max_q == 1:
-            shared = self._shared_prefix_len(slots, seq_lens) if B > 1 else 0
             if shared >= CASCADE_MIN_PREFIX:
                 return AttnGroup(
                     tok_idx, kv_index[:, shared:], key_valid[:, None, None, shared:], None, None, 1,
-                    prefix_index=kv_index[0, :shared].contiguous(),
+                    folded=True, prefix_index=kv_index[0, :shared].contiguous(),
                 )
             # Decode: the only constraint is the sequence length (none for a single row).
             mask = key_valid[:, None, None, :] if B > 1 else None
@@ -105,18 +120,26 @@ class TorchNativeAttnBackend(AttentionBackend):
         q_idx = torch.arange(max_q, device=self.device)  # [Lq]
         q_abs = prefix_t[:, None] + q_idx[None, :]  # [B, Lq] absolute position
         mask = (key_pos[None, None, :] <= q_abs[:, :, None]) & key_valid[:, None, :]
-        # Padded query rows attend to slot 0 only, so softmax never sees an empty row.
         q_pad = q_idx[None, :] >= ext_t[:, None]  # [B, Lq]
-        mask[:, :, 0] |= q_pad
+        if max_q > VERIFY_MAX_Q:
+            shared = 0
+        elif shared < CASCADE_MIN_PREFIX:
+            shared = 0
+        # Padded query rows attend to one real key only, so softmax never sees an empty row.
+        mask[:, :, shared] |= q_pad
         if B == 1:
             q_rows = q_cols = None  # one row, no padding: a view is enough
-        return AttnGroup(tok_idx, kv_index, mask.unsqueeze(1), q_rows, q_cols, max_q)
+        if max_q > VERIFY_MAX_Q:
+            return AttnGroup(tok_idx, kv_index, mask.unsqueeze(1), q_rows, q_cols, max_q)
+        return AttnGroup(
+            tok_idx, kv_index[:, shared:], mask[:, None, :, shared:], q_rows, q_cols, max_q, folded=True,
+            prefix_index=kv_index[0, :shared].contiguous() if shared else None,
+        )
 
     @staticmethod
-    def _shared_prefix_len(slots: torch.Tensor, seq_lens: list[int]) -> int:
-        """Positions at the start where every row has the same KV slot; at most the shortest
-        row minus one, so every row keeps at least its own new token as suffix."""
-        n = min(seq_lens) - 1
+    def _shared_prefix_len(slots: torch.Tensor, limit: int) -> int:
+        """Positions at the start (at most `limit`) where every row has the same KV slot."""
+        n = min(limit, slots.shape[1])
         if n <= 0:
             return 0
         same = (slots[:, :n] == slots[:1, :n]).all(0)  # [n]
@@ -148,8 +171,8 @@ class TorchNativeAttnBackend(AttentionBackend):
         q: torch.Tensor, k_buf: torch.Tensor, v_buf: torch.Tensor, g: AttnGroup, layer: "RadixAttention"
     ) -> torch.Tensor:
         """q [Tg, H * D] -> [Tg, H * D] for the rows of one group."""
-        if g.prefix_index is not None:
-            return TorchNativeAttnBackend._cascade_decode(q, k_buf, v_buf, g, layer)
+        if g.folded:
+            return TorchNativeAttnBackend._attend_folded(q, k_buf, v_buf, g, layer)
         T = q.shape[0]
         H, Hkv, D = layer.num_heads, layer.num_kv_heads, layer.head_dim
         B, lk = g.kv_index.shape
@@ -157,11 +180,7 @@ class TorchNativeAttnBackend(AttentionBackend):
         flat = g.kv_index.view(-1)
         k_all = k_buf.index_select(0, flat).view(B, lk, Hkv, D)
         v_all = v_buf.index_select(0, flat).view(B, lk, Hkv, D)
-        if g.q_rows is None:
-            q_pad = q.view(B, g.max_q, H, D)
-        else:
-            q_pad = q.new_zeros(B, g.max_q, H, D)
-            q_pad[g.q_rows, g.q_cols] = q.view(T, H, D)
+        q_pad = _pad_queries(q, g, H, D)
         out = F.scaled_dot_product_attention(
             q_pad.transpose(1, 2),
             k_all.transpose(1, 2).to(q.dtype),
@@ -177,35 +196,55 @@ class TorchNativeAttnBackend(AttentionBackend):
         return out.reshape(T, H * D)
 
     @staticmethod
-    def _cascade_decode(
+    def _attend_folded(
         q: torch.Tensor, k_buf: torch.Tensor, v_buf: torch.Tensor, g: AttnGroup, layer: "RadixAttention"
     ) -> torch.Tensor:
-        """Decode rows over a shared prefix plus their own suffixes; q [B, H * D]."""
-        B = q.shape[0]
+        """Decode or verify rows, q [Tg, H * D] -> [Tg, H * D]. The G query heads of each KV
+        head and the Lq tokens of a row become G * Lq query rows, so no GQA expansion is
+        needed. With a shared prefix (cascade), every query of the group attends to it in
+        one call, each row to its own suffix in another, and the two are merged by LSE."""
+        T = q.shape[0]
         H, Hkv, D = layer.num_heads, layer.num_kv_heads, layer.head_dim
-        G = H // Hkv
+        G, Lq = H // Hkv, g.max_q
+        B, ls = g.kv_index.shape
         flash = torch.ops.aten._scaled_dot_product_flash_attention_for_cpu
-        # Query heads of one KV head become query rows, so neither part needs GQA expansion.
-        qh = q.view(B, Hkv, G, D)
-        # Prefix: one sequence whose B * G queries per KV head all see every prefix token.
-        lp = g.prefix_index.shape[0]
-        k_pre = k_buf.index_select(0, g.prefix_index).view(1, lp, Hkv, D).transpose(1, 2)
-        v_pre = v_buf.index_select(0, g.prefix_index).view(1, lp, Hkv, D).transpose(1, 2)
-        q_pre = qh.permute(1, 0, 2, 3).reshape(1, Hkv, B * G, D)
-        o_pre, lse_pre = flash(q_pre, k_pre.to(q.dtype), v_pre.to(q.dtype), scale=layer.scaling)
-        o_pre = o_pre.view(Hkv, B, G, D).permute(1, 0, 2, 3)  # [B, Hkv, G, D]
-        lse_pre = lse_pre.view(Hkv, B, G).permute(1, 0, 2)  # [B, Hkv, G]
-        # Suffixes: each row's own tokens, padded, with an additive mask.
-        ls = g.kv_index.shape[1]
+        q_pad = _pad_queries(q, g, H, D)  # [B, Lq, H, D]
+        # Row order within a KV head: (g, t), so the mask of token t repeats G times.
+        qf = q_pad.view(B, Lq, Hkv, G, D).permute(0, 2, 3, 1, 4).reshape(B, Hkv, G * Lq, D)
+        if g.bias is None or g.bias.dtype != q.dtype:
+            g.bias = torch.zeros(g.mask.shape, dtype=q.dtype, device=q.device).masked_fill_(~g.mask, float("-inf"))
+            g.bias = g.bias.repeat(1, 1, G, 1)  # [B, 1, G * Lq, Ls]
         flat = g.kv_index.reshape(-1)
-        k_suf = k_buf.index_select(0, flat).view(B, ls, Hkv, D).transpose(1, 2)
-        v_suf = v_buf.index_select(0, flat).view(B, ls, Hkv, D).transpose(1, 2)
-        if g.suffix_bias is None or g.suffix_bias.dtype != q.dtype:
-            g.suffix_bias = torch.zeros(g.mask.shape, dtype=q.dtype, device=q.device).masked_fill_(~g.mask, float("-inf"))
-        o_suf, lse_suf = flash(qh, k_suf.to(q.dtype), v_suf.to(q.dtype), attn_mask=g.suffix_bias, scale=layer.scaling)
-        # Merge: softmax over the union = the parts weighted by their shares of the total mass.
-        m = torch.maximum(lse_pre, lse_suf)
-        w_pre = torch.exp(lse_pre - m).unsqueeze(-1)
-        w_suf = torch.exp(lse_suf - m).unsqueeze(-1)
-        out = (o_pre.float() * w_pre + o_suf.float() * w_suf) / (w_pre + w_suf)  # [B, Hkv, G, D]
-        return out.to(q.dtype).reshape(B, H * D)
+        k_suf = k_buf.index_select(0, flat).view(B, ls, Hkv, D).transpose(1, 2).to(q.dtype)
+        v_suf = v_buf.index_select(0, flat).view(B, ls, Hkv, D).transpose(1, 2).to(q.dtype)
+        o_suf, lse_suf = flash(qf, k_suf, v_suf, attn_mask=g.bias, scale=layer.scaling)  # [B, Hkv, G * Lq, D]
+        if g.prefix_index is None:
+            out = o_suf
+        else:
+            # Prefix: one sequence whose B * G * Lq queries per KV head all see every prefix token.
+            lp = g.prefix_index.shape[0]
+            k_pre = k_buf.index_select(0, g.prefix_index).view(1, lp, Hkv, D).transpose(1, 2)
+            v_pre = v_buf.index_select(0, g.prefix_index).view(1, lp, Hkv, D).transpose(1, 2)
+            q_pre = qf.transpose(0, 1).reshape(1, Hkv, B * G * Lq, D)
+            o_pre, lse_pre = flash(q_pre, k_pre.to(q.dtype), v_pre.to(q.dtype), scale=layer.scaling)
+            o_pre = o_pre.view(Hkv, B, G * Lq, D).transpose(0, 1)  # [B, Hkv, G * Lq, D]
+            lse_pre = lse_pre.view(Hkv, B, G * Lq).transpose(0, 1)  # [B, Hkv, G * Lq]
+            # Merge: softmax over the union = the parts weighted by their shares of the total mass.
+            m = torch.maximum(lse_pre, lse_suf)
+            w_pre = torch.exp(lse_pre - m).unsqueeze(-1)
+            w_suf = torch.exp(lse_suf - m).unsqueeze(-1)
+            out = ((o_pre.float() * w_pre + o_suf.float() * w_suf) / (w_pre + w_suf)).to(q.dtype)
+        out = out.view(B, Hkv, G, Lq, D).permute(0, 3, 1, 2, 4).reshape(B, Lq, H * D)
+        if g.q_rows is not None:
+            return out[g.q_rows, g.q_cols]
+        return out.reshape(T, H * D)
+
+
+def _pad_queries(q: torch.Tensor, g: AttnGroup, H: int, D: int) -> torch.Tensor:
+    """q [Tg, H * D] -> [Bg, Lq, H, D], zero rows where a request has fewer tokens."""
+    B = g.kv_index.shape[0]
+    if g.q_rows is None:
+        return q.view(B, g.max_q, H, D)
+    q_pad = q.new_zeros(B, g.max_q, H, D)
+    q_pad[g.q_rows, g.q_cols] = q.view(q.shape[0], H, D)
+    return q_pad
