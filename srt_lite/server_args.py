@@ -119,7 +119,10 @@ class ServerArgs:
         "Speculative decoding", choices=["ngram", "NGRAM"],
     )
     speculative_num_draft_tokens: int = _arg(
-        4, "Most draft tokens verified per request and step.", "Speculative decoding"
+        8,
+        "Most draft tokens verified per request and step; fewer are drafted when a request's "
+        "drafts are often rejected or the batch is large (a cost model decides).",
+        "Speculative decoding",
     )
     speculative_ngram_min_match_window_size: int = _arg(
         1, "Shortest tail (in tokens) looked up to find a draft.", "Speculative decoding"

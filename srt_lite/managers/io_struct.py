@@ -62,6 +62,10 @@ class GetLoadReqOutput:
     num_retractions: int = 0  # since start
     evicted_tokens: int = 0  # since start
     gen_throughput: float = 0.0  # token/s over the latest decode log interval
+    # Speculative decoding since start: request-steps that verified draft tokens, and the
+    # tokens they produced (their ratio is the mean accept length).
+    spec_verified_rows: int = 0
+    spec_new_tokens: int = 0
 
 
 @dataclass

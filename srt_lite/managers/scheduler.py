@@ -94,6 +94,10 @@ class Scheduler:
         # Test hook: raise inside the loop after this many forward steps (fault tests).
         self.crash_at_step = int(os.environ.get("SRT_LITE_TEST_CRASH_AT_STEP", "0"))
         self.decode_tokens_since_log = 0
+        # Speculative decoding since start: request-steps that verified drafts, the tokens they
+        # produced; and both at the last decode log line.
+        self.spec_rows_total = self.spec_tokens_total = 0
+        self.spec_at_last_log = (0, 0)
         self.last_decode_log = time.monotonic()
         self.last_gen_throughput = 0.0
 
@@ -371,7 +375,7 @@ class Scheduler:
                 left = r.sampling_params.max_new_tokens - len(r.output_ids) - 1
                 # Positions up to context_len - 1 exist; the step's last is seq_len - 1 + d.
                 room = min(left, self.context_len - r.seq_len, room_kv - total)
-                r.draft_ids = self.drafter.propose(r, room)
+                r.draft_ids = self.drafter.propose(r, room, len(reqs))
                 total += len(r.draft_ids)
             r.extend_len = 1 + len(r.draft_ids)
         return total
@@ -460,7 +464,12 @@ class Scheduler:
         new_tokens = 0
         for row, (req, tok) in enumerate(zip(reqs, tokens)):
             written = req.kv_len + req.extend_len  # KV slots filled this step
-            for t in result.accepted.get(row, [tok]):
+            new = result.accepted.get(row, [tok])
+            if req.draft_ids:
+                self.drafter.observe(req, len(new) - 1)
+                self.spec_rows_total += 1
+                self.spec_tokens_total += len(new)
+            for t in new:
                 req.kv_len += 1  # the KV of the token before t is now part of the sequence
                 req.output_ids.append(t)
                 new_tokens += 1
@@ -551,6 +560,8 @@ class Scheduler:
             num_retractions=self.num_retractions,
             evicted_tokens=self.kv.evicted_tokens,
             gen_throughput=self.last_gen_throughput,
+            spec_verified_rows=self.spec_rows_total,
+            spec_new_tokens=self.spec_tokens_total,
         )
 
     def token_usage(self) -> float:
@@ -573,10 +584,16 @@ class Scheduler:
         tput = self.decode_tokens_since_log / max(now - self.last_decode_log, 1e-6)
         self.last_gen_throughput = tput
         self.decode_tokens_since_log, self.last_decode_log = 0, now
+        spec = ""
+        if self.drafter is not None:
+            # Tokens per verified row and step (1 + accepted drafts), SGLang's "accept len".
+            rows, tokens = self.spec_rows_total - self.spec_at_last_log[0], self.spec_tokens_total - self.spec_at_last_log[1]
+            spec = f"accept len: {tokens / max(rows, 1):.2f}, "
+            self.spec_at_last_log = (self.spec_rows_total, self.spec_tokens_total)
         logger.info(
-            "Decode batch. #running-req: %d, #token: %d, token usage: %.2f, gen throughput (token/s): %.2f, "
+            "Decode batch. #running-req: %d, #token: %d, token usage: %.2f, %sgen throughput (token/s): %.2f, "
             "#queue-req: %d",
-            len(self.running), self.capacity - self.kv.available(), self.token_usage(), tput, len(self.waiting),
+            len(self.running), self.capacity - self.kv.available(), self.token_usage(), spec, tput, len(self.waiting),
         )
 
 

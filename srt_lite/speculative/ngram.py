@@ -13,6 +13,13 @@ tokens beyond the model itself: greedy, no repetition/frequency/presence penalty
 logprobs, min_new_tokens already reached. Other requests in the batch decode one token as
 usual. This is the idea of SGLang's NGRAM and vLLM's "ngram" method; the index here is a
 per-request dict of n-grams kept up to date incrementally.
+
+How many tokens to draft is decided per request and step from a cost model: a draft token
+costs compute (more so with a long context, as attention then dominates), and pays off only
+if accepted, which happens with probability p^i for the i-th token, p being the request's
+recent acceptance rate. Draft tokens are nearly free for a lone request (its step is memory
+bound) and cost about a fifth of a request's step share in a batch of 16, so a request whose
+drafts keep failing stops drafting in a busy batch, and one caught in a loop drafts fully.
 """
 
 from __future__ import annotations
@@ -23,15 +30,35 @@ if TYPE_CHECKING:
     from srt_lite.managers.schedule_batch import Req
 
 
+# Cost model of one step on the CPU (measured with benchmarks/bench_forward.py, SmolLM2-135M,
+# bf16, 2 cores), in ms: a decode step of B rows takes about STEP_BASE + STEP_PER_ROW * B; one
+# draft token adds DRAFT_TOKEN + DRAFT_PER_CONTEXT * (its context length).
+STEP_BASE, STEP_PER_ROW = 35.0, 1.0
+DRAFT_TOKEN, DRAFT_PER_CONTEXT = 0.5, 0.0007
+# Acceptance estimate: counts decay by this factor per verify step (recent steps matter most).
+ACCEPT_DECAY = 0.7
+# A request that stopped drafting tries one draft token again after this many steps.
+PROBE_INTERVAL = 8
+
+
 class NgramIndex:
     """Most recent end position of every n-gram (min_n <= n <= max_n) of one token list.
     Only ends before the current last position are indexed, so the current tail never
-    matches itself."""
+    matches itself. Also keeps the request's draft acceptance record."""
 
     def __init__(self, min_n: int, max_n: int):
         self.min_n, self.max_n = min_n, max_n
         self.ends: dict[tuple[int, ...], int] = {}  # n-gram -> index just after its latest occurrence
         self.indexed = 0  # ends 1..indexed are in `ends`
+        self.hits = self.misses = 0.0  # decayed counts of accepted and rejected draft tokens
+        self.idle_steps = 0  # steps since the last draft
+
+    def accept_rate(self) -> float:
+        return (self.hits + 1.0) / (self.hits + self.misses + 2.0)
+
+    def observe(self, drafted: int, accepted: int) -> None:
+        self.hits = self.hits * ACCEPT_DECAY + accepted
+        self.misses = self.misses * ACCEPT_DECAY + (accepted < drafted)
 
     def propose(self, tokens: list[int], k: int) -> list[int]:
         """Up to k tokens that followed the longest earlier occurrence of tokens' tail."""
@@ -71,14 +98,37 @@ class NgramProposer:
             and len(req.output_ids) >= p.min_new_tokens
         )
 
-    def propose(self, req: "Req", room: int) -> list[int]:
-        """Draft tokens for req's next step; `room` caps them (tokens left to generate, KV)."""
-        k = min(self.k, room)
-        if k <= 0 or not self.eligible(req):
+    def propose(self, req: "Req", room: int, batch_size: int) -> list[int]:
+        """Draft tokens for req's next step in a batch of batch_size decoding requests;
+        `room` caps them (tokens left to generate, free KV)."""
+        if min(self.k, room) <= 0 or not self.eligible(req):
             return []
         if req.ngram_index is None:
             req.ngram_index = NgramIndex(self.min_n, self.max_n)
-        return req.ngram_index.propose(req.fill_ids, k)
+        index = req.ngram_index
+        k = min(self.num_worth_drafting(index.accept_rate(), req.seq_len, batch_size), room)
+        if k == 0:
+            index.idle_steps += 1
+            if index.idle_steps < PROBE_INTERVAL:
+                return []
+            k = 1  # probe: the text may have turned repetitive
+        index.idle_steps = 0
+        return index.propose(req.fill_ids, k)
+
+    def num_worth_drafting(self, p: float, context: int, batch_size: int) -> int:
+        """The most draft tokens whose chance of acceptance (p^i for the i-th) still beats
+        its cost relative to one token's share of the step."""
+        share = (STEP_BASE + STEP_PER_ROW * batch_size) / batch_size
+        threshold = (DRAFT_TOKEN + DRAFT_PER_CONTEXT * context) / share
+        k, chance = 0, p
+        while k < self.k and chance >= threshold:
+            k, chance = k + 1, chance * p
+        return k
+
+    @staticmethod
+    def observe(req: "Req", accepted: int) -> None:
+        """After verifying req's draft: `accepted` of its draft tokens matched."""
+        req.ngram_index.observe(len(req.draft_ids), accepted)
 
 
 def accept_greedy(draft: list[int], targets: list[int]) -> list[int]:

@@ -1,0 +1,218 @@
+"""N-gram speculative decoding (--speculative-algorithm ngram): the drafter's pieces, and an
+fp32 Engine with it on whose greedy output must equal the plain engine's, token for token,
+whatever ends a request and whatever else shares its batch, without leaking KV."""
+
+from __future__ import annotations
+
+import threading
+
+import pytest
+
+from conftest import PROMPTS, wait_idle
+from srt_lite.managers.schedule_batch import Req
+from srt_lite.sampling.sampling_params import SamplingParams
+from srt_lite.speculative.ngram import PROBE_INTERVAL, NgramIndex, NgramProposer, accept_greedy
+
+# Prompts whose greedy continuations repeat (so drafts get accepted) or do not.
+REPETITIVE = [
+    "Count: 1, 2, 3, 4, 5, 6,",
+    "red green blue red green blue red green blue red",
+    "time person year way day thing man world life hand part child eye woman place work week",
+    "def f(x):\n    return x\n\ndef g(x):\n    return x\n\ndef h(x):",
+]
+GREEDY = {"max_new_tokens": 40, "temperature": 0, "ignore_eos": True}
+
+
+# ---- drafter pieces ----------------------------------------------------------------------
+
+
+def test_index_finds_the_longest_latest_match_and_never_the_tail_itself():
+    ix = NgramIndex(1, 3)
+    # Tail (5, 6) occurred at 0..1 and was followed by 7, 8, 5, 6.
+    assert ix.propose([5, 6, 7, 8, 5, 6], 4) == [7, 8, 5, 6]
+    ix = NgramIndex(1, 3)
+    assert ix.propose([1, 2, 3], 3) == []  # nothing repeats
+    # The longer match (2, 9) wins over the more recent 1-gram (9).
+    ix = NgramIndex(1, 2)
+    assert ix.propose([2, 9, 4, 9, 5, 2, 9], 1) == [4]
+    # Incremental: later calls index the new tokens only, and still see the old ones.
+    ix = NgramIndex(1, 2)
+    toks = [3, 4, 5]
+    assert ix.propose(toks, 2) == []
+    toks += [3]
+    assert ix.propose(toks, 2) == [4, 5]
+
+
+def test_a_loop_shorter_than_the_draft_is_copied_over_itself():
+    assert NgramIndex(1, 3).propose([7, 1, 1, 1], 5) == [1, 1, 1, 1, 1]
+    assert NgramIndex(1, 3).propose([7, 1, 2, 1, 2], 5) == [1, 2, 1, 2, 1]
+
+
+def test_accept_greedy_takes_the_matching_prefix_and_the_model_token_after_it():
+    assert accept_greedy([7, 8, 9], [7, 8, 9, 10]) == [7, 8, 9, 10]
+    assert accept_greedy([7, 8, 9], [7, 8, 4, 1]) == [7, 8, 4]
+    assert accept_greedy([7, 8, 9], [5, 8, 9, 10]) == [5]
+    assert accept_greedy([], [3]) == [3]
+
+
+def test_cost_model_drafts_more_when_cheap_or_likely():
+    p = NgramProposer(8, 1, 4)
+    # A lone request: draft tokens are nearly free, so even a coin flip drafts several.
+    assert p.num_worth_drafting(0.5, 100, 1) >= 4
+    assert p.num_worth_drafting(0.95, 300, 1) == 8
+    # Monotone: more with a higher acceptance rate, fewer with bigger batches and contexts.
+    for b in (1, 8, 16, 64):
+        ks = [p.num_worth_drafting(q, 300, b) for q in (0.1, 0.3, 0.5, 0.7, 0.9)]
+        assert ks == sorted(ks)
+    assert p.num_worth_drafting(0.5, 300, 16) < p.num_worth_drafting(0.5, 300, 1)
+    assert p.num_worth_drafting(0.5, 4000, 16) <= p.num_worth_drafting(0.5, 300, 16)
+    assert p.num_worth_drafting(0.1, 1000, 16) == 0
+
+
+def test_only_plain_greedy_requests_draft_and_failing_ones_stop_then_probe():
+    p = NgramProposer(4, 1, 3)
+
+    def req(**params) -> Req:
+        r = Req("r", [1, 2, 3, 1, 2, 3, 1, 2], SamplingParams(max_new_tokens=50, **params))
+        r.output_ids = [3]
+        return r
+
+    assert p.propose(req(temperature=0), room=10, batch_size=1) == [1, 2, 3, 1]
+    assert p.propose(req(temperature=0), room=2, batch_size=1) == [1, 2]
+    for params in ({"temperature": 0.7}, {"temperature": 0, "frequency_penalty": 0.5},
+                   {"temperature": 0, "repetition_penalty": 1.2}, {"temperature": 0, "min_new_tokens": 5}):
+        assert p.propose(req(**params), room=10, batch_size=1) == []
+    r = req(temperature=0)
+    r.return_logprob = True
+    assert p.propose(r, room=10, batch_size=1) == []
+    # Every draft rejected: in a big batch the request stops drafting, then probes with one.
+    r = req(temperature=0)
+    r.draft_ids = p.propose(r, room=10, batch_size=32)
+    assert r.draft_ids
+    for _ in range(6):
+        p.observe(r, 0)
+    drafts = [len(p.propose(r, room=10, batch_size=32)) for _ in range(PROBE_INTERVAL)]
+    assert drafts == [0] * (PROBE_INTERVAL - 1) + [1]
+
+
+# ---- engine -----------------------------------------------------------------------------
+
+
+@pytest.fixture(scope="module")
+def spec_engine():
+    from srt_lite import Engine
+
+    eng = Engine(dtype="float32", max_total_tokens=20000, log_level="warning", speculative_algorithm="ngram")
+    yield eng
+    eng.shutdown()
+
+
+def assert_idle(eng) -> None:
+    load = wait_idle(eng)
+    assert load.kv_used_tokens == 0 and load.num_running_reqs == 0 and load.num_waiting_reqs == 0
+    assert load.invariant_ok
+    assert load.kv_free_tokens + load.kv_cached_tokens == load.kv_capacity
+
+
+def accept_len(eng) -> float:
+    load = eng.get_load()
+    return load.spec_new_tokens / max(load.spec_verified_rows, 1)
+
+
+def test_greedy_output_equals_plain_decoding_alone_and_batched(engine, spec_engine):
+    prompts = REPETITIVE + PROMPTS[:4]
+    plain = [engine.generate(p, GREEDY)["output_ids"] for p in prompts]
+    before = spec_engine.get_load()
+    alone = [spec_engine.generate(p, GREEDY)["output_ids"] for p in prompts]
+    assert alone == plain
+    after = spec_engine.get_load()
+    # Drafts were verified and accepted: more than one token per verifying step on average.
+    rows = after.spec_verified_rows - before.spec_verified_rows
+    assert rows > 0 and (after.spec_new_tokens - before.spec_new_tokens) / rows > 1.5
+    spec_engine.flush_cache()
+    together = spec_engine.generate(prompts, GREEDY)
+    assert [o["output_ids"] for o in together] == plain
+    assert_idle(spec_engine)
+
+
+def test_requests_end_inside_an_accepted_run_as_without_drafts(engine, spec_engine):
+    """max_new_tokens, stop strings, stop token ids and EOS cut a run of accepted tokens at
+    the same token as plain decoding; the rest of the run's KV is freed."""
+    cases = [
+        ("Count: 1, 2, 3, 4, 5, 6,", {"max_new_tokens": 13, "temperature": 0, "ignore_eos": True}),
+        ("Count: 1, 2, 3, 4, 5, 6,", {"max_new_tokens": 30, "temperature": 0, "stop": [" 11,"]}),
+        ("Count: 1, 2, 3, 4, 5, 6,", {"max_new_tokens": 30, "temperature": 0, "stop": " 12,", "no_stop_trim": True}),
+        (REPETITIVE[1], {"max_new_tokens": 1, "temperature": 0}),
+        (REPETITIVE[1], {"max_new_tokens": 2, "temperature": 0}),
+    ]
+    base = engine.generate(cases[0][0], {"max_new_tokens": 30, "temperature": 0, "ignore_eos": True})
+    cases.append((cases[0][0], {"max_new_tokens": 30, "temperature": 0, "stop_token_ids": [base["output_ids"][9]]}))
+    tm = engine.tokenizer_manager
+    chat = tm.tokenizer.apply_chat_template(
+        [{"role": "user", "content": "Repeat after me: la la la la la la la la"}], tokenize=False, add_generation_prompt=True
+    )
+    cases.append((chat, {"max_new_tokens": 64, "temperature": 0}))
+    for prompt, params in cases:
+        want, got = engine.generate(prompt, params), spec_engine.generate(prompt, params)
+        assert got["output_ids"] == want["output_ids"], params
+        assert got["text"] == want["text"], params
+        assert got["meta_info"]["finish_reason"] == want["meta_info"]["finish_reason"], params
+    assert_idle(spec_engine)
+
+
+def test_drafting_rows_share_batches_with_sampled_penalized_and_logprob_requests(engine, spec_engine):
+    """Rows that cannot draft decode one token as usual next to rows that verify drafts, and
+    a prompt-logprobs request can join the batch mid-way (logits for every position)."""
+    greedy_want = [engine.generate(p, {**GREEDY, "max_new_tokens": 60})["output_ids"] for p in REPETITIVE]
+    lp_params = {"max_new_tokens": 6, "temperature": 0}
+    lp_want = engine.generate(PROMPTS[1], lp_params, return_logprob=True, logprob_start_len=0, top_logprobs_num=2)
+    results: dict[str, dict] = {}
+
+    def run(name: str, prompt: str, params: dict, **kw) -> None:
+        results[name] = spec_engine.generate(prompt, params, **kw)
+
+    threads = [threading.Thread(target=run, args=(f"g{i}", p, {**GREEDY, "max_new_tokens": 60})) for i, p in enumerate(REPETITIVE)]
+    threads += [
+        threading.Thread(target=run, args=("sampled", PROMPTS[0], {"max_new_tokens": 30, "temperature": 0.8, "seed": 1})),
+        threading.Thread(target=run, args=("penalty", PROMPTS[2], {"max_new_tokens": 30, "temperature": 0, "frequency_penalty": 1.0})),
+        threading.Thread(target=run, args=("lp", PROMPTS[1], lp_params),
+                         kwargs={"return_logprob": True, "logprob_start_len": 0, "top_logprobs_num": 2}),
+    ]
+    for i, t in enumerate(threads):
+        t.start()
+        if i == len(REPETITIVE):
+            threading.Event().wait(0.3)  # the others join while the greedy ones are decoding
+    for t in threads:
+        t.join()
+    assert [results[f"g{i}"]["output_ids"] for i in range(len(REPETITIVE))] == greedy_want
+    assert len(results["sampled"]["output_ids"]) == 30
+    assert results["penalty"]["output_ids"] == engine.generate(
+        PROMPTS[2], {"max_new_tokens": 30, "temperature": 0, "frequency_penalty": 1.0}
+    )["output_ids"]
+    got, want = results["lp"]["meta_info"], lp_want["meta_info"]
+    assert results["lp"]["output_ids"] == lp_want["output_ids"]
+    assert [t for _, t, *_ in got["input_token_logprobs"]] == [t for _, t, *_ in want["input_token_logprobs"]]
+    for (a, *_), (b, *_) in zip(got["input_token_logprobs"][1:], want["input_token_logprobs"][1:]):
+        assert a == pytest.approx(b, abs=1e-3)
+    assert len(got["output_token_logprobs"]) == 6
+    assert_idle(spec_engine)
+
+
+def test_small_kv_cache_retracts_and_frees_rejected_drafts(engine):
+    """With a KV cache too small for the batch, drafts shrink to what fits, requests are
+    retracted and resumed, and the output is still the plain greedy output."""
+    from srt_lite import Engine
+
+    prompts = REPETITIVE + PROMPTS[:4]
+    want = [engine.generate(p, GREEDY)["output_ids"] for p in prompts]
+    with Engine(
+        dtype="float32", max_total_tokens=160, chunked_prefill_size=32, schedule_policy="fcfs",
+        log_level="warning", speculative_algorithm="ngram",
+    ) as eng:
+        got = eng.generate(prompts, GREEDY)
+        assert [o["output_ids"] for o in got] == want
+        load = wait_idle(eng)
+        assert load.num_retractions > 0
+        assert load.spec_verified_rows > 0
+        assert load.kv_used_tokens == 0 and load.invariant_ok
+        assert load.kv_free_tokens + load.kv_cached_tokens == load.kv_capacity
