@@ -1,9 +1,10 @@
 #!/usr/bin/env bash
-# W1-W3 against srt_lite and then vLLM's CPU build, one after the other on the same machine,
-# so the two can be compared as ratios (the machine is noisy; never compare across runs).
+# W1-W3 against srt_lite (default flags, then with n-gram speculative decoding) and then
+# vLLM's CPU build, one after the other on the same machine, so they can be compared as
+# ratios (the machine is noisy; never compare across runs).
 #   benchmarks/compare_with_vllm.sh LABEL [VLLM_PYTHON]
 # vLLM comes from its own venv (docs/benchmarks.md has the install). Results:
-# benchmarks/results/{srt,vllm}-LABEL-W{1,2,3}.json
+# benchmarks/results/{srt,srt-ngram,vllm}-LABEL-W{1,2,3}.json
 set -euo pipefail
 label=$1
 vllm_py=${2:-/work/vllm-venv/bin/python}
@@ -13,11 +14,16 @@ model=$($py -c "from srt_lite.model_loader.default_model import resolve_model_pa
 
 wait_health() { until curl -sf "$1/health" >/dev/null; do sleep 2; done; }
 
-$py -m srt_lite.launch_server --port 30000 --log-level warning > /tmp/srt-$label.log 2>&1 &
-srt=$!
-wait_health http://127.0.0.1:30000
-"$root/benchmarks/run_workloads.sh" http://127.0.0.1:30000 "srt-$label"
-kill -TERM $srt; wait $srt || true
+run_srt() {  # run_srt NAME [server flags...]
+  local name=$1; shift
+  $py -m srt_lite.launch_server --port 30000 --log-level warning "$@" > /tmp/$name-$label.log 2>&1 &
+  local srt=$!
+  wait_health http://127.0.0.1:30000
+  "$root/benchmarks/run_workloads.sh" http://127.0.0.1:30000 "$name-$label"
+  kill -TERM $srt; wait $srt || true
+}
+run_srt srt
+run_srt srt-ngram --speculative-algorithm ngram
 
 VLLM_CPU_KVCACHE_SPACE=2 HF_HUB_OFFLINE=1 VLLM_NO_USAGE_STATS=1 DO_NOT_TRACK=1 \
   setsid "$vllm_py" -m vllm.entrypoints.openai.api_server --model "$model" --served-model-name smollm2 \
