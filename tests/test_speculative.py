@@ -6,9 +6,12 @@ from __future__ import annotations
 
 import threading
 
+import httpx
+import orjson
 import pytest
 
 from conftest import PROMPTS, wait_idle
+from server_utils import ServerProcess
 from srt_lite.managers.schedule_batch import Req
 from srt_lite.sampling.sampling_params import SamplingParams
 from srt_lite.speculative.ngram import PROBE_INTERVAL, NgramIndex, NgramProposer, accept_greedy
@@ -198,21 +201,56 @@ def test_drafting_rows_share_batches_with_sampled_penalized_and_logprob_requests
     assert_idle(spec_engine)
 
 
-def test_small_kv_cache_retracts_and_frees_rejected_drafts(engine):
+@pytest.mark.parametrize(
+    "kwargs",
+    [
+        dict(max_total_tokens=160, chunked_prefill_size=32, schedule_policy="fcfs"),
+        dict(max_total_tokens=4096, max_running_requests=2, disable_radix_cache=True, chunked_prefill_size=16),
+    ],
+    ids=["tiny-kv-retract", "two-running-no-radix"],
+)
+def test_pressure_and_no_radix_cache_keep_output_and_free_rejected_drafts(engine, kwargs):
     """With a KV cache too small for the batch, drafts shrink to what fits, requests are
-    retracted and resumed, and the output is still the plain greedy output."""
+    retracted and resumed; without the radix cache, rejected and finished slots go straight
+    back to the free list. The output is still the plain greedy output."""
     from srt_lite import Engine
 
     prompts = REPETITIVE + PROMPTS[:4]
     want = [engine.generate(p, GREEDY)["output_ids"] for p in prompts]
-    with Engine(
-        dtype="float32", max_total_tokens=160, chunked_prefill_size=32, schedule_policy="fcfs",
-        log_level="warning", speculative_algorithm="ngram",
-    ) as eng:
+    with Engine(dtype="float32", log_level="warning", speculative_algorithm="ngram", **kwargs) as eng:
         got = eng.generate(prompts, GREEDY)
         assert [o["output_ids"] for o in got] == want
         load = wait_idle(eng)
-        assert load.num_retractions > 0
+        if kwargs["max_total_tokens"] == 160:
+            assert load.num_retractions > 0
         assert load.spec_verified_rows > 0
         assert load.kv_used_tokens == 0 and load.invariant_ok
         assert load.kv_free_tokens + load.kv_cached_tokens == load.kv_capacity
+
+
+def test_server_streams_drafted_tokens_like_the_benchmark_client(engine):
+    """The workloads' request through HTTP: streamed /v1/completions with EOS banned by
+    logit_bias, greedy. Chunks may carry several tokens; the text, the token count and the
+    finish reason equal plain decoding, and the decode log reports the accept length."""
+    prompt = REPETITIVE[2]
+    want = engine.generate(prompt, {"max_new_tokens": 64, "temperature": 0, "logit_bias": {"0": -100, "2": -100}})
+    body = {"prompt": prompt, "max_tokens": 64, "temperature": 0, "stream": True,
+            "stream_options": {"include_usage": True}, "logit_bias": {"0": -100, "2": -100}}
+    with ServerProcess("--dtype", "float32", "--speculative-algorithm", "ngram", "--decode-log-interval", "5",
+                       "--max-total-tokens", "4096") as s:
+        body["model"] = httpx.get(s.base_url + "/v1/models").json()["data"][0]["id"]
+        chunks, usage, finish = [], None, None
+        with httpx.stream("POST", s.base_url + "/v1/completions", json=body, timeout=60) as r:
+            assert r.status_code == 200
+            for line in r.iter_lines():
+                if not line.startswith("data: ") or line == "data: [DONE]":
+                    continue
+                event = orjson.loads(line[6:])
+                usage = event.get("usage") or usage
+                for choice in event["choices"]:
+                    chunks.append(choice["text"])
+                    finish = choice.get("finish_reason") or finish
+        assert "".join(chunks) == want["text"]
+        assert usage["completion_tokens"] == 64 and finish == "length"
+        assert len([c for c in chunks if c]) < 64  # several tokens per step
+        assert "accept len: " in s.read_log()
