@@ -53,23 +53,30 @@ async def sse_events(r: httpx.Response):
             yield json.loads(line[6:])
 
 
-async def one_request(client: httpx.AsyncClient, rng: random.Random, model: str, stats: Stats) -> None:
+async def one_request(
+    client: httpx.AsyncClient, rng: random.Random, model: str, stats: Stats, temperature: float | None = None
+) -> None:
+    """One request of a random kind; `temperature` (if set) replaces every kind's own."""
+
+    def temp(default: float) -> float:
+        return default if temperature is None else temperature
+
     kind = rng.choice(["chat", "chat_stream_stop", "completion_n", "completion_stream_logprobs", "generate", "dropped_stream"])
     t0 = time.perf_counter()
     seed = rng.randint(0, 2**31)
     max_tokens = rng.randint(4, 48)
     if kind == "chat":
         body = {"model": model, "messages": [{"role": "user", "content": prompt(rng)}], "max_tokens": max_tokens,
-                "temperature": 0.8, "seed": seed}
+                "temperature": temp(0.8), "seed": seed}
         r = await client.post("/v1/chat/completions", json=body)
         check(r.status_code == 200 and r.json()["choices"][0]["finish_reason"] in ("stop", "length"), kind, r, stats)
     elif kind == "completion_n":
         body = {"model": model, "prompt": prompt(rng), "max_tokens": max_tokens, "n": rng.randint(2, 3),
-                "temperature": 1.0, "seed": seed}
+                "temperature": temp(1.0), "seed": seed}
         r = await client.post("/v1/completions", json=body)
         check(r.status_code == 200 and len(r.json()["choices"]) == body["n"], kind, r, stats)
     elif kind == "generate":
-        body = {"text": prompt(rng), "sampling_params": {"max_new_tokens": max_tokens, "temperature": 0}}
+        body = {"text": prompt(rng), "sampling_params": {"max_new_tokens": max_tokens, "temperature": temp(0.0)}}
         r = await client.post("/generate", json=body)
         check(r.status_code == 200 and r.json()["meta_info"]["finish_reason"]["type"] in ("stop", "length"), kind, r, stats)
     else:
@@ -80,7 +87,7 @@ async def one_request(client: httpx.AsyncClient, rng: random.Random, model: str,
         }[kind]
         path, extra = stream_body
         body = {"model": model, "max_tokens": max_tokens if kind != "dropped_stream" else 200, "stream": True,
-                "stream_options": {"include_usage": True}, **extra}
+                "stream_options": {"include_usage": True}, "temperature": temp(1.0), **extra}
         cut = rng.randint(1, 10) if kind == "dropped_stream" else None
         finish = None
         async with client.stream("POST", path, json=body) as r:
@@ -106,10 +113,12 @@ def check(ok: bool, kind: str, r: httpx.Response, stats: Stats) -> None:
         stats.errors.append(f"{kind}: HTTP {r.status_code} {r.text[:200]}")
 
 
-async def worker(client: httpx.AsyncClient, rng: random.Random, model: str, stats: Stats, end: float) -> None:
+async def worker(
+    client: httpx.AsyncClient, rng: random.Random, model: str, stats: Stats, end: float, temperature: float | None
+) -> None:
     while time.monotonic() < end:
         try:
-            await one_request(client, rng, model, stats)
+            await one_request(client, rng, model, stats, temperature)
         except (httpx.HTTPError, KeyError, ValueError) as e:
             stats.errors.append(f"{type(e).__name__}: {e}")
 
@@ -152,7 +161,7 @@ async def run(args: argparse.Namespace) -> dict:
         model = args.model or (await client.get("/v1/models")).json()["data"][0]["id"]
         t0 = time.monotonic()
         end = t0 + args.duration
-        tasks = [asyncio.create_task(worker(client, random.Random(args.seed + i), model, stats, end)) for i in range(args.concurrency)]
+        tasks = [asyncio.create_task(worker(client, random.Random(args.seed + i), model, stats, end, args.temperature)) for i in range(args.concurrency)]
         while time.monotonic() < end:
             samples.append(await sample(client, pid, t0))
             logger.info("%s", samples[-1] | {"errors": len(stats.errors), "done": sum(map(len, stats.latencies.values()))})
@@ -213,6 +222,8 @@ def main() -> None:
     parser.add_argument("--timeout", type=float, default=120.0)
     parser.add_argument("--server-pid", type=int, default=None, help="default: the process listening on the URL's port")
     parser.add_argument("--seed", type=int, default=0)
+    parser.add_argument("--temperature", type=float, default=None,
+                        help="use this temperature for every request (0: all greedy, e.g. to soak speculative decoding)")
     parser.add_argument("--label", default="run")
     parser.add_argument("--output-file", default=None)
     args = parser.parse_args()

@@ -54,6 +54,10 @@ class MetricsCollector:
         self.token_usage = gauge("token_usage", "Share of the KV cache held by requests (0-1).")
         self.cache_hit_rate = gauge("cache_hit_rate", "Prefix cache hit rate since start: cached / prompt tokens.")
         self.gen_throughput = gauge("gen_throughput", "Generation throughput of recent decode steps (token/s).")
+        self.spec_accept_length = gauge(
+            "spec_accept_length",
+            "Speculative decoding: mean tokens per request-step that verified drafts, since start (0: none yet).",
+        )
         self.ttft = histogram("time_to_first_token_seconds", "Time to first token.", TTFT_BUCKETS)
         self.itl = histogram("inter_token_latency_seconds", "Time between consecutive output tokens.", ITL_BUCKETS)
         self.e2e = histogram("e2e_request_latency_seconds", "End-to-end request latency.", E2E_BUCKETS)
@@ -106,5 +110,7 @@ class MetricsCollector:
         self.max_total_tokens.set(load.kv_capacity)
         self.token_usage.set(load.kv_used_tokens / max(load.kv_capacity, 1))
         self.gen_throughput.set(load.gen_throughput)
+        rows = load.spec_verified_rows
+        self.spec_accept_length.set(load.spec_new_tokens / rows if rows else 0.0)
         self.cache_hit_rate.set(self._cached_total / self._prompt_total if self._prompt_total else 0.0)
         return generate_latest(self.registry), CONTENT_TYPE_LATEST

@@ -231,13 +231,14 @@ def test_pressure_and_no_radix_cache_keep_output_and_free_rejected_drafts(engine
 def test_server_streams_drafted_tokens_like_the_benchmark_client(engine):
     """The workloads' request through HTTP: streamed /v1/completions with EOS banned by
     logit_bias, greedy. Chunks may carry several tokens; the text, the token count and the
-    finish reason equal plain decoding, and the decode log reports the accept length."""
+    finish reason equal plain decoding, and the decode log and /metrics report the accept
+    length."""
     prompt = REPETITIVE[2]
     want = engine.generate(prompt, {"max_new_tokens": 64, "temperature": 0, "logit_bias": {"0": -100, "2": -100}})
     body = {"prompt": prompt, "max_tokens": 64, "temperature": 0, "stream": True,
             "stream_options": {"include_usage": True}, "logit_bias": {"0": -100, "2": -100}}
     with ServerProcess("--dtype", "float32", "--speculative-algorithm", "ngram", "--decode-log-interval", "5",
-                       "--max-total-tokens", "4096") as s:
+                       "--max-total-tokens", "4096", "--enable-metrics") as s:
         body["model"] = httpx.get(s.base_url + "/v1/models").json()["data"][0]["id"]
         chunks, usage, finish = [], None, None
         with httpx.stream("POST", s.base_url + "/v1/completions", json=body, timeout=60) as r:
@@ -254,3 +255,6 @@ def test_server_streams_drafted_tokens_like_the_benchmark_client(engine):
         assert usage["completion_tokens"] == 64 and finish == "length"
         assert len([c for c in chunks if c]) < 64  # several tokens per step
         assert "accept len: " in s.read_log()
+        metrics = httpx.get(s.base_url + "/metrics").text
+        line = next(ln for ln in metrics.splitlines() if ln.startswith("srt_lite:spec_accept_length{"))
+        assert float(line.rsplit(" ", 1)[1]) > 1.5
