@@ -19,6 +19,7 @@ from typing import Any
 import torch
 import zmq
 
+from srt_lite.layers.linear import EXACT_ROWS
 from srt_lite.managers import io_struct
 from srt_lite.managers.io_struct import (
     AbortReq,
@@ -76,7 +77,9 @@ class Scheduler:
                 server_args.speculative_ngram_max_match_window_size,
             )
         if not server_args.skip_server_warmup:
-            runner.warmup(min(self.max_running, 16))
+            # Verify steps of one request, over the row counts the CPU linears run unpadded.
+            verify = min(server_args.speculative_num_draft_tokens + 1, EXACT_ROWS) if self.drafter else 1
+            runner.warmup(min(self.max_running, 16), verify)
         self.eos_ids = set(self.model_config.eos_token_ids)
         from transformers import AutoTokenizer
 

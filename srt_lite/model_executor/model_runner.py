@@ -113,20 +113,22 @@ class ModelRunner:
         return self.model(fb.input_ids, fb.positions, fb)
 
     @torch.inference_mode()
-    def warmup(self, max_batch: int) -> None:
+    def warmup(self, max_batch: int, max_verify: int = 1) -> None:
         """Dummy forwards before serving: a prefill, then decode steps at batch sizes up to
-        `max_batch`, so the first requests do not pay for kernel set-up (oneDNN creates a
-        primitive per new shape) and allocator growth. Uses scratch KV that it frees."""
+        `max_batch`, and (speculative decoding) one request verifying 2..max_verify tokens,
+        so the first requests do not pay for kernel set-up (oneDNN creates a primitive per
+        new shape) and allocator growth. Uses scratch KV that it frees."""
         sizes = [b for b in (1, 2, 4, 8, 16, 32) if b <= max_batch] or [1]
         prompt = 8
-        need = sizes[-1] * (prompt + 1)
+        width = prompt + max(max_verify, 1)  # KV slots per scratch request
+        need = sizes[-1] * width
         if need > self.max_total_num_tokens or sizes[-1] > self.req_to_token_pool.available_size():
             return  # a tiny test cache: nothing worth warming
         rows = [self.req_to_token_pool.alloc() for _ in range(sizes[-1])]
         slots = self.token_to_kv_pool.alloc(need)
         r2t = self.req_to_token_pool.req_to_token
         for i, row in enumerate(rows):
-            r2t[row, : prompt + 1] = slots[i * (prompt + 1) : (i + 1) * (prompt + 1)].to(r2t.dtype)
+            r2t[row, :width] = slots[i * width : (i + 1) * width].to(r2t.dtype)
 
         def step(batch: int, prefix: int, new: int) -> None:
             locs = torch.cat([r2t[row, prefix : prefix + new] for row in rows[:batch]]).to(torch.int64)
@@ -137,6 +139,7 @@ class ModelRunner:
 
         t0 = time.perf_counter()
         steps = [(sizes[-1], 0, prompt)] + [(b, prompt, 1) for b in sizes]
+        steps += [(1, prompt, n) for n in range(2, max_verify + 1)]
         for args in progress(steps, len(steps), "Warming up", enabled=self.tp_rank == 0):
             step(*args)
         self.token_to_kv_pool.free(slots)
