@@ -53,19 +53,23 @@ class RotaryEmbedding(nn.Module):
     def forward(self, positions: torch.Tensor, x: torch.Tensor) -> torch.Tensor:
         """x [T, heads, D] (query and key heads together) -> a rotated copy."""
         cos, sin = self._cos_sin(positions, x.dtype)
+        if self.rotary_dim == x.shape[-1]:
+            # x * [cos, cos] + [x2, x1] * [-sin, sin]: HF's x*cos + rotate_half(x)*sin with
+            # the sign moved into the table; each product and sum rounds as HF's does.
+            half = self.rotary_dim // 2
+            return x * cos + torch.cat((x[..., half:], x[..., :half]), dim=-1) * sin
         rot, rest = x[..., : self.rotary_dim], x[..., self.rotary_dim :]
-        x1, x2 = rot.chunk(2, dim=-1)
-        # Same arithmetic as HF: x*cos + rotate_half(x)*sin with cos/sin duplicated halves.
-        o1 = x1 * cos - x2 * sin
-        o2 = x2 * cos + x1 * sin
-        return torch.cat((o1, o2, rest), dim=-1) if rest.numel() else torch.cat((o1, o2), dim=-1)
+        return torch.cat((rot * cos + torch.cat(rot.chunk(2, dim=-1)[::-1], dim=-1) * sin, rest), dim=-1)
 
     def _cos_sin(self, positions: torch.Tensor, dtype: torch.dtype) -> tuple[torch.Tensor, torch.Tensor]:
-        """The rows for `positions`, looked up once per forward pass: every layer shares this
-        module and passes the same positions tensor (held here, so `is` cannot be fooled)."""
+        """[cos, cos] and [-sin, sin] rows for `positions` ([T, 1, rotary_dim] each), looked
+        up once per forward pass: every layer shares this module and passes the same
+        positions tensor (held here, so `is` cannot be fooled)."""
         cached = self._lookup
         if cached is None or cached[0] is not positions or cached[1] != dtype:
-            cos = self.cos_cache.index_select(0, positions).to(dtype).unsqueeze(1)  # [T, 1, rot/2]
-            sin = self.sin_cache.index_select(0, positions).to(dtype).unsqueeze(1)
+            cos = self.cos_cache.index_select(0, positions).to(dtype)  # [T, rot/2]
+            sin = self.sin_cache.index_select(0, positions).to(dtype)
+            cos = torch.cat((cos, cos), dim=-1).unsqueeze(1)
+            sin = torch.cat((-sin, sin), dim=-1).unsqueeze(1)
             cached = self._lookup = (positions, dtype, cos, sin)
         return cached[2], cached[3]

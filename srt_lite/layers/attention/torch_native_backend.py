@@ -53,7 +53,9 @@ class AttnGroup:
     folded: bool = False
     # Cascade: slots of the prefix every row shares; kv_index/mask then cover the suffixes.
     prefix_index: torch.Tensor | None = None  # [Lp] int64
-    bias: torch.Tensor | None = None  # [Bg, 1, G * Lq, Lk] additive mask of a folded group, built at first use
+    # `mask` as an additive 0 / -inf bias in the query dtype, built at the first layer (SDPA
+    # would convert a bool mask again in every layer); [Bg, 1, G * Lq, Lk] when folded.
+    bias: torch.Tensor | None = None
 
 
 # Shortest shared prefix worth the cascade's extra kernels.
@@ -181,11 +183,13 @@ class TorchNativeAttnBackend(AttentionBackend):
         k_all = k_buf.index_select(0, flat).view(B, lk, Hkv, D)
         v_all = v_buf.index_select(0, flat).view(B, lk, Hkv, D)
         q_pad = _pad_queries(q, g, H, D)
+        if g.mask is not None and (g.bias is None or g.bias.dtype != q.dtype):
+            g.bias = _additive(g.mask, q.dtype)
         out = F.scaled_dot_product_attention(
             q_pad.transpose(1, 2),
             k_all.transpose(1, 2).to(q.dtype),
             v_all.transpose(1, 2).to(q.dtype),
-            attn_mask=g.mask,
+            attn_mask=g.bias,
             is_causal=g.causal,
             scale=layer.scaling,
             enable_gqa=H != Hkv,
@@ -212,8 +216,7 @@ class TorchNativeAttnBackend(AttentionBackend):
         # Row order within a KV head: (g, t), so the mask of token t repeats G times.
         qf = q_pad.view(B, Lq, Hkv, G, D).permute(0, 2, 3, 1, 4).reshape(B, Hkv, G * Lq, D)
         if g.bias is None or g.bias.dtype != q.dtype:
-            g.bias = torch.zeros(g.mask.shape, dtype=q.dtype, device=q.device).masked_fill_(~g.mask, float("-inf"))
-            g.bias = g.bias.repeat(1, 1, G, 1)  # [B, 1, G * Lq, Ls]
+            g.bias = _additive(g.mask, q.dtype).repeat(1, 1, G, 1)  # [B, 1, G * Lq, Ls]
         flat = g.kv_index.reshape(-1)
         k_suf = k_buf.index_select(0, flat).view(B, ls, Hkv, D).transpose(1, 2).to(q.dtype)
         v_suf = v_buf.index_select(0, flat).view(B, ls, Hkv, D).transpose(1, 2).to(q.dtype)
@@ -238,6 +241,11 @@ class TorchNativeAttnBackend(AttentionBackend):
         if g.q_rows is not None:
             return out[g.q_rows, g.q_cols]
         return out.reshape(T, H * D)
+
+
+def _additive(mask: torch.Tensor, dtype: torch.dtype) -> torch.Tensor:
+    """Bool mask (True = attend) -> 0 / -inf bias of the same shape."""
+    return torch.zeros(mask.shape, dtype=dtype, device=mask.device).masked_fill_(~mask, float("-inf"))
 
 
 def _pad_queries(q: torch.Tensor, g: AttnGroup, H: int, D: int) -> torch.Tensor:
