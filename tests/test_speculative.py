@@ -258,3 +258,16 @@ def test_server_streams_drafted_tokens_like_the_benchmark_client(engine):
         metrics = httpx.get(s.base_url + "/metrics").text
         line = next(ln for ln in metrics.splitlines() if ln.startswith("srt_lite:spec_accept_length{"))
         assert float(line.rsplit(" ", 1)[1]) > 1.5
+
+
+def test_tensor_parallel_ranks_draft_and_accept_alike(engine):
+    """Every rank drafts from the same tokens and accepts from the same (all-gathered)
+    logits, so a TP server with drafting still gives the plain greedy text."""
+    prompts = REPETITIVE[:3]
+    params = {"max_new_tokens": 24, "temperature": 0, "ignore_eos": True}
+    want = [o["text"] for o in engine.generate(prompts, params)]
+    with ServerProcess("--tp-size", "3", "--dtype", "float32", "--max-total-tokens", "4096",
+                       "--speculative-algorithm", "ngram", "--decode-log-interval", "4") as s:
+        r = httpx.post(s.base_url + "/generate", json={"text": prompts, "sampling_params": params}, timeout=300)
+        assert [o["text"] for o in r.json()] == want
+        assert "accept len: " in s.read_log()
