@@ -12,6 +12,7 @@ import pytest
 
 from conftest import PROMPTS, wait_idle
 from server_utils import ServerProcess
+from test_scheduler import LONG
 from srt_lite.managers.schedule_batch import Req
 from srt_lite.sampling.sampling_params import SamplingParams
 from srt_lite.speculative.ngram import PROBE_INTERVAL, NgramIndex, NgramProposer, accept_greedy
@@ -215,7 +216,7 @@ def test_pressure_and_no_radix_cache_keep_output_and_free_rejected_drafts(engine
     back to the free list. The output is still the plain greedy output."""
     from srt_lite import Engine
 
-    prompts = REPETITIVE + PROMPTS[:4]
+    prompts = REPETITIVE + PROMPTS + [LONG]
     want = [engine.generate(p, GREEDY)["output_ids"] for p in prompts]
     with Engine(dtype="float32", log_level="warning", speculative_algorithm="ngram", **kwargs) as eng:
         got = eng.generate(prompts, GREEDY)
