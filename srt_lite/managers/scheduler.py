@@ -373,7 +373,9 @@ class Scheduler:
     def plan_drafts(self, reqs: list[Req]) -> int:
         """Sets each decoding request's draft tokens (none without speculative decoding) and
         extend_len; returns the number of draft tokens, which must fit in free KV next to
-        one slot per request."""
+        one slot per request. Free KV counts evictable cache (in a long-running server the
+        tree holds most slots); rejected slots return to the free list at once, so drafting
+        evicts at most about one step's worth of draft tokens."""
         room_kv = self.kv.available() - len(reqs)
         total = 0
         for r in reqs:
