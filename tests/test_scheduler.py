@@ -17,16 +17,20 @@ def reference(engine):
     return [o["output_ids"] for o in engine.generate(PROMPTS + [LONG], PARAMS)]
 
 
-@pytest.mark.parametrize(
+# Engine configurations under pressure (also used by test_speculative). 8 x (~6 + 40) tokens
+# plus a long prompt cannot all fit in 160 slots: the scheduler must evict cached prefixes and
+# retract running requests, then resume them.
+PRESSURE = pytest.mark.parametrize(
     "kwargs",
     [
-        # 8 x (~6 + 40) tokens plus a long prompt cannot all fit in 160 slots: the scheduler
-        # must evict cached prefixes and retract running requests, then resume them.
         dict(max_total_tokens=160, chunked_prefill_size=32, schedule_policy="fcfs"),
         dict(max_total_tokens=4096, max_running_requests=2, disable_radix_cache=True, chunked_prefill_size=16),
     ],
     ids=["tiny-kv-retract", "two-running-no-radix"],
 )
+
+
+@PRESSURE
 def test_outputs_unchanged_under_pressure(kwargs, reference):
     with Engine(dtype="float32", log_level="warning", **kwargs) as eng:
         outs = eng.generate(PROMPTS + [LONG], PARAMS)

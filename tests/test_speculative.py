@@ -12,7 +12,7 @@ import pytest
 
 from conftest import PROMPTS, wait_idle
 from server_utils import ServerProcess
-from test_scheduler import LONG
+from test_scheduler import LONG, PRESSURE
 from srt_lite.managers.schedule_batch import Req
 from srt_lite.sampling.sampling_params import SamplingParams
 from srt_lite.speculative.ngram import PROBE_INTERVAL, NgramIndex, NgramProposer, accept_greedy
@@ -202,14 +202,7 @@ def test_drafting_rows_share_batches_with_sampled_penalized_and_logprob_requests
     assert_idle(spec_engine)
 
 
-@pytest.mark.parametrize(
-    "kwargs",
-    [
-        dict(max_total_tokens=160, chunked_prefill_size=32, schedule_policy="fcfs"),
-        dict(max_total_tokens=4096, max_running_requests=2, disable_radix_cache=True, chunked_prefill_size=16),
-    ],
-    ids=["tiny-kv-retract", "two-running-no-radix"],
-)
+@PRESSURE
 def test_pressure_and_no_radix_cache_keep_output_and_free_rejected_drafts(engine, kwargs):
     """With a KV cache too small for the batch, drafts shrink to what fits, requests are
     retracted and resumed; without the radix cache, rejected and finished slots go straight
