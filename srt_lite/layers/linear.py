@@ -47,20 +47,46 @@ class PackableLinear(nn.Module):
 
     weight: nn.Parameter
     packed_weight: torch.Tensor | None = None
+    packed_key: int = -1  # index in _PACKED, for the compiled graph's opaque op
 
     def pack_for_cpu(self) -> None:
+        out_features = self.weight.shape[0]
         # The opaque packed copy replaces the plain one, so the weights are not held twice.
         self.packed_weight = torch.ops.mkldnn._reorder_linear_weight(self.weight.data, _PACK_BATCH_HINT)
         self.weight.data = torch.empty(0, dtype=self.weight.dtype)
+        self.out_features = out_features
+        self.packed_key = len(_PACKED)
+        _PACKED.append(self)
 
     def matmul(self, x: torch.Tensor, bias: torch.Tensor | None) -> torch.Tensor:
         if self.packed_weight is None:
             return F.linear(x, self.weight, bias)
+        if torch.compiler.is_compiling():
+            # A oneDNN-packed weight is an opaque tensor that torch.compile cannot trace:
+            # the graph calls the product as one custom op by the layer's key.
+            return torch.ops.srt_lite.packed_linear(x, bias, self.packed_key)
+        return self.packed_matmul(x, bias)
+
+    def packed_matmul(self, x: torch.Tensor, bias: torch.Tensor | None) -> torch.Tensor:
         n = x.shape[0]
         rows = bucketed_rows(n)
         if rows != n:
             x = F.pad(x, (0, 0, 0, rows - n))  # [rows, in]; the extra rows are dropped below
         return torch.ops.mkldnn._linear_pointwise(x, self.packed_weight, bias, "none", [], "")[:n]
+
+
+# Every packed linear of the process, by packed_key (weights live as long as the model).
+_PACKED: list[PackableLinear] = []
+
+
+@torch.library.custom_op("srt_lite::packed_linear", mutates_args=())
+def _packed_linear_op(x: torch.Tensor, bias: torch.Tensor | None, key: int) -> torch.Tensor:
+    return _PACKED[key].packed_matmul(x, bias)
+
+
+@_packed_linear_op.register_fake
+def _(x: torch.Tensor, bias: torch.Tensor | None, key: int) -> torch.Tensor:
+    return x.new_empty(x.shape[0], _PACKED[key].out_features)  # [T, out_features]
 
 
 def pack_linears_for_cpu(model: nn.Module) -> None:

@@ -1,6 +1,7 @@
 from __future__ import annotations
 
-from typing import TYPE_CHECKING
+import contextlib
+from typing import TYPE_CHECKING, Iterator
 
 import torch
 from torch import nn
@@ -21,6 +22,40 @@ class RadixAttention(nn.Module):
         self.layer_id = layer_id
 
     def forward(
-        self, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, forward_batch: "ForwardBatch"
+        self, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, forward_batch: "ForwardBatch | None"
     ) -> torch.Tensor:
+        if torch.compiler.is_compiling():
+            # Under torch.compile the batch's metadata is not a graph input: the opaque op
+            # reads it from the forward context (see `compiled_forward_batch`).
+            return torch.ops.srt_lite.attention(q, k, v, self.layer_id)
         return forward_batch.attn_backend.forward(q, k, v, self, forward_batch)
+
+
+# ---- torch.compile support ---------------------------------------------------------------
+# A compiled model body is traced once for every batch shape, so the attention (whose
+# kernels and index set-up depend on the batch's rows) stays outside the graph as one opaque
+# custom op per layer, as vLLM does: the graph passes q, k, v and the layer id, and the op
+# finds the ForwardBatch of the current step, and the model's layers, here.
+_CURRENT: list[tuple["ForwardBatch", dict[int, RadixAttention]]] = []
+
+
+@contextlib.contextmanager
+def compiled_forward_batch(fb: "ForwardBatch", layers: dict[int, RadixAttention]) -> Iterator[None]:
+    """Makes `fb` the batch that `srt_lite::attention` attends for the enclosed forward;
+    `layers` maps layer ids to the RadixAttention modules of the model being run."""
+    _CURRENT.append((fb, layers))
+    try:
+        yield
+    finally:
+        _CURRENT.pop()
+
+
+@torch.library.custom_op("srt_lite::attention", mutates_args=())
+def _attention_op(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, layer_id: int) -> torch.Tensor:
+    fb, layers = _CURRENT[-1]
+    return fb.attn_backend.forward(q, k, v, layers[layer_id], fb)
+
+
+@_attention_op.register_fake
+def _(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, layer_id: int) -> torch.Tensor:
+    return torch.empty_like(q)  # [T, num_heads * head_dim]

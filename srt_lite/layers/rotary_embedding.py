@@ -65,11 +65,14 @@ class RotaryEmbedding(nn.Module):
         """[cos, cos] and [-sin, sin] rows for `positions` ([T, 1, rotary_dim] each), looked
         up once per forward pass: every layer shares this module and passes the same
         positions tensor (held here, so `is` cannot be fooled)."""
+        if torch.compiler.is_compiling():
+            return self._lookup_cos_sin(positions, dtype)  # traced once, fused by the compiler
         cached = self._lookup
         if cached is None or cached[0] is not positions or cached[1] != dtype:
-            cos = self.cos_cache.index_select(0, positions).to(dtype)  # [T, rot/2]
-            sin = self.sin_cache.index_select(0, positions).to(dtype)
-            cos = torch.cat((cos, cos), dim=-1).unsqueeze(1)
-            sin = torch.cat((-sin, sin), dim=-1).unsqueeze(1)
-            cached = self._lookup = (positions, dtype, cos, sin)
+            cached = self._lookup = (positions, dtype, *self._lookup_cos_sin(positions, dtype))
         return cached[2], cached[3]
+
+    def _lookup_cos_sin(self, positions: torch.Tensor, dtype: torch.dtype) -> tuple[torch.Tensor, torch.Tensor]:
+        cos = self.cos_cache.index_select(0, positions).to(dtype)  # [T, rot/2]
+        sin = self.sin_cache.index_select(0, positions).to(dtype)
+        return torch.cat((cos, cos), dim=-1).unsqueeze(1), torch.cat((-sin, sin), dim=-1).unsqueeze(1)

@@ -11,6 +11,7 @@ from srt_lite.distributed import get_tp_rank, get_tp_size
 from srt_lite.layers.attention import create_attention_backend
 from srt_lite.layers.linear import pack_linears_for_cpu
 from srt_lite.layers.logits_processor import LogitsProcessorOutput
+from srt_lite.layers.radix_attention import RadixAttention, compiled_forward_batch
 from srt_lite.mem_cache.memory_pool import ReqToTokenPool, TokenToKVPool
 from srt_lite.model_config import ModelConfig
 from srt_lite.model_executor.forward_batch import ForwardBatch
@@ -39,6 +40,9 @@ class ModelRunner:
         self.attn_backend = create_attention_backend(
             server_args.attention_backend, self.device, model_runner=self
         )
+        self.compiled_body = None
+        if server_args.enable_torch_compile:
+            self.init_torch_compile()
 
     # ---- set-up -------------------------------------------------------------------------
 
@@ -66,6 +70,16 @@ class ModelRunner:
             cls.__name__, self.weight_bytes / 2**20, self.dtype, self.device,
             time.perf_counter() - t0,
         )
+
+    def init_torch_compile(self) -> None:
+        """Compiles the decoder stack (embedding to final norm). Attention and the oneDNN
+        matmuls stay opaque custom ops inside the graph; everything between them (residual
+        adds, RMSNorm, RoPE, SiLU * up) is fused by inductor. `dynamic=True` makes one graph
+        serve every token count; torch specialises a single token (T = 1) into a second one.
+        The LM head and logits selection stay eager: they depend on the batch's rows."""
+        self.attn_layers = {m.layer_id: m for m in self.model.modules() if isinstance(m, RadixAttention)}
+        self.compiled_body = torch.compile(self.model.model, dynamic=True, fullgraph=True)
+        logger.info("torch.compile on: the first forward of each graph compiles it (minutes without a cache)")
 
     def kv_heads_per_rank(self) -> int:
         return max(1, self.model_config.num_kv_heads // self.tp_size)
@@ -110,7 +124,11 @@ class ModelRunner:
         fb.token_to_kv_pool = self.token_to_kv_pool
         fb.attn_backend = self.attn_backend
         self.attn_backend.init_forward_metadata(fb)
-        return self.model(fb.input_ids, fb.positions, fb)
+        if self.compiled_body is None:
+            return self.model(fb.input_ids, fb.positions, fb)
+        with torch.inference_mode(), compiled_forward_batch(fb, self.attn_layers):
+            hidden = self.compiled_body(fb.input_ids, fb.positions, None)  # [T, hidden]
+            return self.model.logits_processor(hidden, self.model.lm_head, fb)
 
     @torch.inference_mode()
     def warmup(self, max_batch: int, max_verify: int = 1) -> None:
