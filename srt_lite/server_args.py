@@ -135,11 +135,19 @@ class ServerArgs:
     device: str = _arg("auto", "cpu, cuda or auto.", "Runtime", choices=["auto", "cpu", "cuda"])
     tp_size: int = _arg(1, "Tensor-parallel size (one scheduler process per rank).", "Runtime")
     attention_backend: str = _arg(
-        "auto", "Attention kernels: auto = torch_native (the flashinfer backend is planned, not yet available).",
+        "auto", "Attention kernels: auto = flashinfer on CUDA when flashinfer-python is installed, "
+        "torch_native otherwise.",
         "Runtime", choices=["auto", "torch_native", "flashinfer"],
     )
     disable_weight_packing: bool = _arg(
         False, "On a bfloat16 CPU, call plain F.linear instead of weights prepacked for oneDNN.", "Runtime"
+    )
+    disable_cuda_graph: bool = _arg(
+        False, "On CUDA, run decode steps eagerly instead of replaying captured CUDA graphs.", "Runtime"
+    )
+    cuda_graph_max_bs: int | None = _arg(
+        None, "Largest decode batch captured as a CUDA graph (default: min(--max-running-requests, 160)); "
+        "bigger batches run eagerly.", "Runtime",
     )
     enable_torch_compile: bool = _arg(
         False,
@@ -175,8 +183,10 @@ class ServerArgs:
             raise ValueError("--max-total-tokens must be >= 16")
         if self.max_request_bytes < 1024:
             raise ValueError("--max-request-bytes must be >= 1024")
-        if self.attention_backend == "flashinfer":
-            raise ValueError("--attention-backend flashinfer is not available yet; use torch_native")
+        if self.attention_backend == "flashinfer" and (self.device == "cpu" or not _cuda_available()):
+            raise ValueError("--attention-backend flashinfer needs a CUDA device; use torch_native on the CPU")
+        if self.cuda_graph_max_bs is not None and self.cuda_graph_max_bs < 1:
+            raise ValueError("--cuda-graph-max-bs must be >= 1")
         if self.enable_torch_compile and self.tp_size > 1:
             raise ValueError("--enable-torch-compile supports --tp-size 1 only")
         if not self.graceful_shutdown_timeout >= 0:
@@ -279,3 +289,9 @@ class PortArgs:
             tokenizer_input=os.path.join(d, "tokenizer"),
             dist_port=get_free_port() if tp_size > 1 else None,
         )
+
+
+def _cuda_available() -> bool:
+    import torch  # only asked for --attention-backend flashinfer: the CLI stays light otherwise
+
+    return torch.cuda.is_available()

@@ -35,7 +35,7 @@ def test_help_is_grouped_with_defaults_and_lists_every_flag():
         (["--mem-fraction-static", "1.5"], "error: --mem-fraction-static must be in (0, 1)"),
         (["--graceful-shutdown-timeout", "-1"], "error: --graceful-shutdown-timeout must be >= 0"),
         (["--max-request-bytes", "10"], "error: --max-request-bytes must be >= 1024"),
-        (["--attention-backend", "flashinfer"], "error: --attention-backend flashinfer is not available yet; use torch_native"),
+        (["--attention-backend", "flashinfer"], "error: --attention-backend flashinfer needs a CUDA device; use torch_native on the CPU"),
         (["--chat-template", "/nonexistent.jinja"], "error: --chat-template file not found: /nonexistent.jinja"),
     ],
 )

@@ -43,6 +43,14 @@ class ModelRunner:
         self.compiled_body = None
         if server_args.enable_torch_compile:
             self.init_torch_compile()
+        self.cuda_graph_runner = None
+        if self.device.startswith("cuda") and not server_args.disable_cuda_graph and hasattr(
+            self.attn_backend, "make_cuda_graph_decode_wrapper"
+        ):
+            from srt_lite.model_executor.cuda_graph_runner import CudaGraphRunner
+
+            max_bs = min(server_args.cuda_graph_max_bs or 160, server_args.max_running_requests)
+            self.cuda_graph_runner = CudaGraphRunner(self, max_bs)
 
     # ---- set-up -------------------------------------------------------------------------
 
@@ -123,6 +131,8 @@ class ModelRunner:
         fb.req_to_token_pool = self.req_to_token_pool
         fb.token_to_kv_pool = self.token_to_kv_pool
         fb.attn_backend = self.attn_backend
+        if self.cuda_graph_runner is not None and self.cuda_graph_runner.can_run(fb):
+            return self.cuda_graph_runner.replay(fb)
         self.attn_backend.init_forward_metadata(fb)
         if self.compiled_body is None:
             return self.model(fb.input_ids, fb.positions, fb)

@@ -3,15 +3,29 @@ from __future__ import annotations
 from srt_lite.layers.attention.base import AttentionBackend
 
 
-def create_attention_backend(name: str, device: str, **kwargs) -> AttentionBackend:
-    """`auto` is torch_native for now: the FlashInfer backend (CUDA) is not written yet, and
-    asking for it explicitly fails with a clear message instead of an ImportError."""
+def flashinfer_available() -> bool:
+    try:
+        import flashinfer  # noqa: F401
+    except ImportError:
+        return False
+    return True
+
+
+def create_attention_backend(name: str, device: str, model_runner=None) -> AttentionBackend:
+    """`auto` picks flashinfer on CUDA when the package is installed, else torch_native."""
+    on_cuda = device.startswith("cuda")
     if name == "auto":
-        name = "torch_native"
+        name = "flashinfer" if on_cuda and flashinfer_available() else "torch_native"
     if name == "torch_native":
         from srt_lite.layers.attention.torch_native_backend import TorchNativeAttnBackend
 
         return TorchNativeAttnBackend(device=device)
     if name == "flashinfer":
-        raise ValueError("--attention-backend flashinfer is not available yet; use torch_native")
+        if not on_cuda:
+            raise ValueError("--attention-backend flashinfer needs a CUDA device; use torch_native on the CPU")
+        if not flashinfer_available():
+            raise ValueError("--attention-backend flashinfer needs the flashinfer-python package (pip install flashinfer-python)")
+        from srt_lite.layers.attention.flashinfer_backend import FlashInferAttnBackend
+
+        return FlashInferAttnBackend(model_runner)
     raise ValueError(f"unknown attention backend {name!r}")

@@ -1,0 +1,145 @@
+"""Attention with FlashInfer's paged-KV kernels (the CUDA path).
+
+The pool's per-layer K and V buffers [slots + 1, Hkv, D] are FlashInfer's paged layout with
+page size 1 (NHD): `buf.view(-1, 1, Hkv, D)`. A request's pages are its req_to_token slots,
+so a batch is described by `kv_indices` (every row's slots, concatenated), `kv_indptr` (their
+offsets) and `last_page_len` (all ones).
+
+- Decode batches (one new token per row) use `BatchDecodeWithPagedKVCacheWrapper`.
+- Everything else (prefill, chunked prefill on a cached prefix, decode rows mixed into a
+  prefill step, speculative verify rows) uses `BatchPrefillWithPagedKVCacheWrapper` with
+  `causal=True`: FlashInfer aligns the causal mask to the end of each row's KV, which is
+  exactly our rule (a row's new tokens come after its prefix).
+
+`plan` runs once per forward in `init_forward_metadata` (index set-up shared by all layers);
+`run` once per layer. Decode CUDA graphs (`model_executor/cuda_graph_runner.py`) use their own
+decode wrappers over fixed buffers, one per captured batch size, re-planned before each replay.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+from typing import TYPE_CHECKING, Any
+
+import torch
+
+from srt_lite.layers.attention.base import AttentionBackend
+
+if TYPE_CHECKING:
+    from srt_lite.layers.radix_attention import RadixAttention
+    from srt_lite.model_executor.forward_batch import ForwardBatch
+    from srt_lite.model_executor.model_runner import ModelRunner
+
+# FlashInfer's recommended workspace for split-KV partial results.
+WORKSPACE_BYTES = 128 * 2**20
+
+
+def build_kv_indices(
+    req_to_token: torch.Tensor, req_pool_indices: torch.Tensor, seq_lens: torch.Tensor, total: int
+) -> tuple[torch.Tensor, torch.Tensor]:
+    """Paged-KV description of a batch with page size 1, without a host sync.
+
+    req_to_token [rows, max_context] int32, req_pool_indices [B], seq_lens [B] (tokens of KV
+    per request, new ones included), total = sum(seq_lens) known on the host.
+    Returns kv_indptr [B + 1] int32 and kv_indices [total] int32 (row b's first seq_lens[b]
+    slots at kv_indptr[b]:kv_indptr[b + 1])."""
+    device = req_to_token.device
+    B = req_pool_indices.shape[0]
+    kv_indptr = torch.zeros(B + 1, dtype=torch.int32, device=device)  # [B + 1]
+    kv_indptr[1:] = torch.cumsum(seq_lens, 0)
+    owner = torch.repeat_interleave(
+        torch.arange(B, device=device), seq_lens, output_size=total
+    )  # [total] batch row of each KV entry
+    col = torch.arange(total, device=device) - kv_indptr[owner].to(torch.int64)  # [total] position in its row
+    kv_indices = req_to_token[req_pool_indices[owner], col].to(torch.int32)  # [total]
+    return kv_indptr, kv_indices
+
+
+@dataclass
+class FlashInferMetadata:
+    wrapper: Any  # the decode or prefill wrapper planned for this batch
+    decode: bool
+
+
+class FlashInferAttnBackend(AttentionBackend):
+    def __init__(self, model_runner: "ModelRunner"):
+        import flashinfer  # optional dependency: only the CUDA path needs it
+
+        self.flashinfer = flashinfer
+        self.device = model_runner.device
+        self.dtype = model_runner.dtype
+        cfg = model_runner.model_config
+        self.num_qo_heads = cfg.num_heads // model_runner.tp_size
+        self.num_kv_heads = model_runner.kv_heads_per_rank()
+        self.head_dim = cfg.head_dim
+        layers = [m for m in model_runner.model.modules() if type(m).__name__ == "RadixAttention"]
+        self.scaling = layers[0].scaling if layers else self.head_dim**-0.5
+        self.req_to_token = model_runner.req_to_token_pool.req_to_token
+        pool = model_runner.token_to_kv_pool
+        shape = (-1, 1, self.num_kv_heads, self.head_dim)  # [pages, page_size = 1, Hkv, D]
+        self.kv_caches = [(k.view(shape), v.view(shape)) for k, v in zip(pool.k_buffer, pool.v_buffer)]
+        # [WORKSPACE_BYTES] uint8, shared by every wrapper (they never run concurrently).
+        self.workspace = torch.zeros(WORKSPACE_BYTES, dtype=torch.uint8, device=self.device)
+        # Tensor-core decode pays off once several query heads share a KV head (SGLang's rule).
+        self.decode_tensor_cores = self.num_qo_heads // self.num_kv_heads >= 4
+        self.decode_wrapper = flashinfer.BatchDecodeWithPagedKVCacheWrapper(
+            self.workspace, "NHD", use_tensor_cores=self.decode_tensor_cores
+        )
+        self.prefill_wrapper = flashinfer.BatchPrefillWithPagedKVCacheWrapper(self.workspace, "NHD")
+
+    # ---- planning -----------------------------------------------------------------------
+
+    def init_forward_metadata(self, fb: "ForwardBatch") -> None:
+        kv_indptr, kv_indices = build_kv_indices(
+            self.req_to_token, fb.req_pool_indices, fb.seq_lens, sum(fb.seq_lens_cpu)
+        )
+        last_page_len = torch.ones(fb.batch_size, dtype=torch.int32, device=self.device)  # [B]
+        if fb.forward_mode.is_decode():
+            self.plan_decode(self.decode_wrapper, kv_indptr, kv_indices, last_page_len)
+            fb.attn_metadata = FlashInferMetadata(self.decode_wrapper, decode=True)
+            return
+        qo_indptr = torch.zeros(fb.batch_size + 1, dtype=torch.int32)  # [B + 1], host
+        qo_indptr[1:] = torch.cumsum(torch.tensor(fb.extend_seq_lens_cpu), 0)
+        self.prefill_wrapper.plan(
+            qo_indptr.to(self.device, non_blocking=True), kv_indptr, kv_indices, last_page_len,
+            self.num_qo_heads, self.num_kv_heads, self.head_dim, 1,
+            causal=True, sm_scale=self.scaling, q_data_type=self.dtype, kv_data_type=self.dtype,
+        )
+        fb.attn_metadata = FlashInferMetadata(self.prefill_wrapper, decode=False)
+
+    def plan_decode(
+        self, wrapper: Any, kv_indptr: torch.Tensor, kv_indices: torch.Tensor, last_page_len: torch.Tensor
+    ) -> None:
+        wrapper.plan(
+            kv_indptr, kv_indices, last_page_len,
+            self.num_qo_heads, self.num_kv_heads, self.head_dim, 1,
+            sm_scale=self.scaling, q_data_type=self.dtype, kv_data_type=self.dtype,
+        )
+
+    def make_cuda_graph_decode_wrapper(
+        self, indptr_buf: torch.Tensor, indices_buf: torch.Tensor, last_page_len_buf: torch.Tensor
+    ) -> Any:
+        """A decode wrapper whose index tensors live in the given fixed buffers, as a CUDA
+        graph needs; one per captured batch size (the batch size is fixed per wrapper)."""
+        return self.flashinfer.BatchDecodeWithPagedKVCacheWrapper(
+            self.workspace, "NHD", use_cuda_graph=True, use_tensor_cores=self.decode_tensor_cores,
+            paged_kv_indptr_buffer=indptr_buf, paged_kv_indices_buffer=indices_buf,
+            paged_kv_last_page_len_buffer=last_page_len_buf,
+        )
+
+    # ---- per layer ----------------------------------------------------------------------
+
+    def forward(
+        self,
+        q: torch.Tensor,
+        k: torch.Tensor,
+        v: torch.Tensor,
+        layer: "RadixAttention",
+        fb: "ForwardBatch",
+    ) -> torch.Tensor:
+        T = q.shape[0]
+        H, Hkv, D = layer.num_heads, layer.num_kv_heads, layer.head_dim
+        fb.token_to_kv_pool.set_kv_buffer(layer.layer_id, fb.out_cache_loc, k.view(T, Hkv, D), v.view(T, Hkv, D))
+        meta: FlashInferMetadata = fb.attn_metadata
+        out = meta.wrapper.run(q.reshape(T, H, D), self.kv_caches[layer.layer_id])  # [T, H, D]
+        return out.view(T, H * D)

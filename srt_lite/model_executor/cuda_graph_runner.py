@@ -1,0 +1,146 @@
+"""Decode CUDA graphs: the whole decode forward (embedding to logits) captured once per batch
+size and replayed, so a step costs one graph launch instead of hundreds of kernel launches
+from Python. Decode steps of a small model are launch-bound on a GPU.
+
+A batch of B rows runs in the smallest captured size >= B; the extra rows are padding: token
+0 at position 0, writing its K/V into the padding slot 0 and attending to that slot alone, and
+their logits are dropped. Only plain decode steps replay (one token per row, last-token
+logits); prefill, mixed and speculative verify steps run eagerly.
+"""
+
+from __future__ import annotations
+
+import bisect
+import logging
+import time
+from typing import TYPE_CHECKING
+
+import torch
+
+from srt_lite.layers.attention.flashinfer_backend import FlashInferMetadata, build_kv_indices
+from srt_lite.layers.logits_processor import LogitsProcessorOutput
+from srt_lite.model_executor.forward_batch import ForwardBatch, ForwardMode
+
+if TYPE_CHECKING:
+    from srt_lite.model_executor.model_runner import ModelRunner
+
+logger = logging.getLogger(__name__)
+
+
+def capture_batch_sizes(max_bs: int) -> list[int]:
+    """1, 2, 4, 8, then every multiple of 8 up to max_bs (SGLang's ladder), and max_bs."""
+    sizes = [b for b in (1, 2, 4) if b < max_bs] + list(range(8, max_bs, 8))
+    return sizes + [max_bs]
+
+
+class CudaGraphRunner:
+    def __init__(self, runner: "ModelRunner", max_bs: int):
+        self.runner = runner
+        self.backend = runner.attn_backend
+        self.batch_sizes = capture_batch_sizes(max_bs)
+        dev = runner.device
+        self.max_bs = max_bs
+        # Static inputs every graph reads; a replay copies the real batch into their heads.
+        self.input_ids = torch.zeros(max_bs, dtype=torch.int64, device=dev)  # [max_bs]
+        self.positions = torch.zeros(max_bs, dtype=torch.int64, device=dev)  # [max_bs]
+        self.out_cache_loc = torch.zeros(max_bs, dtype=torch.int64, device=dev)  # [max_bs], 0 = padding slot
+        self.req_pool_indices = torch.zeros(max_bs, dtype=torch.int64, device=dev)  # [max_bs]
+        self.seq_lens = torch.ones(max_bs, dtype=torch.int64, device=dev)  # [max_bs]
+        # FlashInfer's index buffers: indptr and last_page_len per size, indices shared, big
+        # enough for a full KV pool plus one padding page per row.
+        self.kv_indices = torch.zeros(
+            runner.max_total_num_tokens + max_bs, dtype=torch.int32, device=dev
+        )  # [capacity + max_bs]
+        self.graphs: dict[int, torch.cuda.CUDAGraph] = {}
+        self.outputs: dict[int, torch.Tensor] = {}  # [bs, vocab] float32 logits per size
+        self.wrappers: dict[int, object] = {}
+        self.kv_indptr: dict[int, torch.Tensor] = {}
+        self.last_page_len: dict[int, torch.Tensor] = {}
+        self.capture()
+
+    def can_run(self, fb: ForwardBatch) -> bool:
+        return (
+            fb.forward_mode.is_decode()
+            and fb.batch_size <= self.max_bs
+            and fb.logit_index is None
+            and not fb.return_all_logits
+        )
+
+    # ---- capture ------------------------------------------------------------------------
+
+    def _static_batch(self, bs: int) -> ForwardBatch:
+        r = self.runner
+        return ForwardBatch(
+            forward_mode=ForwardMode.DECODE,
+            batch_size=bs,
+            input_ids=self.input_ids[:bs],
+            positions=self.positions[:bs],
+            out_cache_loc=self.out_cache_loc[:bs],
+            req_pool_indices=self.req_pool_indices[:bs],
+            seq_lens=self.seq_lens[:bs],
+            seq_lens_cpu=[1] * bs,
+            extend_seq_lens_cpu=[1] * bs,
+            extend_prefix_lens_cpu=[0] * bs,
+            req_to_token_pool=r.req_to_token_pool,
+            token_to_kv_pool=r.token_to_kv_pool,
+            attn_backend=self.backend,
+            attn_metadata=FlashInferMetadata(self.wrappers[bs], decode=True),
+        )
+
+    def _plan(self, bs: int, kv_indptr: torch.Tensor, kv_indices: torch.Tensor) -> None:
+        self.backend.plan_decode(self.wrappers[bs], kv_indptr, kv_indices, self.last_page_len[bs])
+
+    def capture(self) -> None:
+        t0 = time.perf_counter()
+        dev = self.runner.device
+        pool = None  # one memory pool shared by all graphs: the largest is captured first
+        for bs in reversed(self.batch_sizes):
+            self.kv_indptr[bs] = torch.arange(bs + 1, dtype=torch.int32, device=dev)  # [bs + 1]
+            self.last_page_len[bs] = torch.ones(bs, dtype=torch.int32, device=dev)  # [bs]
+            self.wrappers[bs] = self.backend.make_cuda_graph_decode_wrapper(
+                self.kv_indptr[bs], self.kv_indices, self.last_page_len[bs]
+            )
+            # Capture with every row a padding row: one KV page, slot 0.
+            self._plan(bs, torch.arange(bs + 1, dtype=torch.int32, device=dev), self.kv_indices[:bs].zero_())
+            fb = self._static_batch(bs)
+            for _ in range(2):  # warm-up outside the graph (lazy inits, autotuning)
+                self._forward(fb)
+            torch.cuda.synchronize(dev)
+            graph = torch.cuda.CUDAGraph()
+            with torch.cuda.graph(graph, pool=pool):
+                self.outputs[bs] = self._forward(fb)
+            pool = graph.pool()
+            self.graphs[bs] = graph
+        logger.info(
+            "CUDA graphs: captured decode for batch sizes %s in %.1f s",
+            self.batch_sizes, time.perf_counter() - t0,
+        )
+
+    def _forward(self, fb: ForwardBatch) -> torch.Tensor:
+        with torch.inference_mode():
+            return self.runner.model(fb.input_ids, fb.positions, fb).next_token_logits
+
+    # ---- replay -------------------------------------------------------------------------
+
+    def replay(self, fb: ForwardBatch) -> LogitsProcessorOutput:
+        bs = fb.batch_size
+        size = self.batch_sizes[bisect.bisect_left(self.batch_sizes, bs)]
+        self.input_ids[:bs].copy_(fb.input_ids)
+        self.positions[:bs].copy_(fb.positions)
+        self.out_cache_loc[:bs].copy_(fb.out_cache_loc)
+        if size > bs:  # padding rows: token 0 at position 0 into slot 0
+            self.input_ids[bs:size].zero_()
+            self.positions[bs:size].zero_()
+            self.out_cache_loc[bs:size].zero_()
+        total = sum(fb.seq_lens_cpu)
+        kv_indptr, kv_indices = build_kv_indices(
+            self.runner.req_to_token_pool.req_to_token, fb.req_pool_indices, fb.seq_lens, total
+        )
+        # Padding rows get one page each (slot 0) after the real rows' pages.
+        pad = torch.arange(1, size - bs + 1, dtype=torch.int32, device=kv_indptr.device) + total
+        kv_indptr = torch.cat((kv_indptr, pad))  # [size + 1]
+        kv_indices = torch.cat((kv_indices, kv_indices.new_zeros(size - bs)))  # [total + size - bs]
+        self._plan(size, kv_indptr, kv_indices)
+        self.graphs[size].replay()
+        # The graph's output buffer is overwritten by the next replay: hand out a copy.
+        return LogitsProcessorOutput(self.outputs[size][:bs].clone())
