@@ -140,7 +140,10 @@ class ModelRunner:
             hidden = self.compiled_body(fb.input_ids, fb.positions, None)  # [T, hidden]
             return self.model.logits_processor(hidden, self.model.lm_head, fb)
 
-    @torch.inference_mode()
+    # no_grad, not inference_mode: the scheduler builds its batches outside inference mode,
+    # and torch.compile guards on that (an inference tensor input would compile the graphs
+    # again for the first real batches).
+    @torch.no_grad()
     def warmup(self, max_batch: int, max_verify: int = 1) -> None:
         """Dummy forwards before serving: a prefill, then decode steps at batch sizes up to
         `max_batch`, and (speculative decoding) one request verifying 2..max_verify tokens,
