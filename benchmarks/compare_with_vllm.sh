@@ -1,10 +1,10 @@
 #!/usr/bin/env bash
-# W1-W3 against srt_lite (default flags, then with n-gram speculative decoding) and then
-# vLLM's CPU build, one after the other on the same machine, so they can be compared as
+# W1-W3 against srt_lite (default flags, with n-gram speculative decoding, and with n-gram
+# plus torch.compile) and then vLLM's CPU build, one after the other on the same machine, so they can be compared as
 # ratios (the machine is noisy; never compare across runs).
 #   benchmarks/compare_with_vllm.sh LABEL [VLLM_PYTHON]
 # vLLM comes from its own venv (docs/benchmarks.md has the install). Results:
-# benchmarks/results/{srt,srt-ngram,vllm}-LABEL-W{1,2,3}.json
+# benchmarks/results/{srt,srt-ngram,srt-ngram-compile,vllm}-LABEL-W{1,2,3}.json
 set -euo pipefail
 label=$1
 vllm_py=${2:-/work/vllm-venv/bin/python}
@@ -24,6 +24,7 @@ run_srt() {  # run_srt NAME [server flags...]
 }
 run_srt srt
 run_srt srt-ngram --speculative-algorithm ngram
+run_srt srt-ngram-compile --speculative-algorithm ngram --enable-torch-compile
 
 VLLM_CPU_KVCACHE_SPACE=2 HF_HUB_OFFLINE=1 VLLM_NO_USAGE_STATS=1 DO_NOT_TRACK=1 \
   setsid "$vllm_py" -m vllm.entrypoints.openai.api_server --model "$model" --served-model-name smollm2 \

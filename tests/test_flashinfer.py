@@ -26,7 +26,7 @@ def test_build_kv_indices_lists_each_rows_slots():
     req_to_token = torch.randint(1, 1000, (6, 40), generator=g, dtype=torch.int32)
     rows = torch.tensor([4, 0, 2])
     seq_lens = torch.tensor([7, 1, 33])
-    indptr, indices = build_kv_indices(req_to_token, rows, seq_lens, int(seq_lens.sum()))
+    indptr, indices = build_kv_indices(req_to_token, rows, seq_lens, seq_lens.tolist())
     assert indptr.tolist() == [0, 7, 8, 41] and indptr.dtype == torch.int32
     want = torch.cat([req_to_token[r, :n] for r, n in zip(rows.tolist(), seq_lens.tolist())])
     assert indices.dtype == torch.int32 and torch.equal(indices, want)

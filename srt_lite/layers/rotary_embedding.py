@@ -65,8 +65,10 @@ class RotaryEmbedding(nn.Module):
         """[cos, cos] and [-sin, sin] rows for `positions` ([T, 1, rotary_dim] each), looked
         up once per forward pass: every layer shares this module and passes the same
         positions tensor (held here, so `is` cannot be fooled)."""
-        if torch.compiler.is_compiling():
-            return self._lookup_cos_sin(positions, dtype)  # traced once, fused by the compiler
+        if torch.compiler.is_compiling() or (positions.is_cuda and torch.cuda.is_current_stream_capturing()):
+            # Traced or captured: the lookup itself must be part of the graph, which later
+            # replays it for other positions (a cached result would be baked in).
+            return self._lookup_cos_sin(positions, dtype)
         cached = self._lookup
         if cached is None or cached[0] is not positions or cached[1] != dtype:
             cached = self._lookup = (positions, dtype, *self._lookup_cos_sin(positions, dtype))

@@ -46,16 +46,18 @@ class CudaGraphRunner:
         self.out_cache_loc = torch.zeros(max_bs, dtype=torch.int64, device=dev)  # [max_bs], 0 = padding slot
         self.req_pool_indices = torch.zeros(max_bs, dtype=torch.int64, device=dev)  # [max_bs]
         self.seq_lens = torch.ones(max_bs, dtype=torch.int64, device=dev)  # [max_bs]
-        # FlashInfer's index buffers: indptr and last_page_len per size, indices shared, big
-        # enough for a full KV pool plus one padding page per row.
+        # FlashInfer's index buffers: indptr and last_page_len per size, indices shared. Rows
+        # that share a cached prefix list the same slots, so the sum of lengths is bounded by
+        # rows x context, not by the pool's capacity.
         self.kv_indices = torch.zeros(
-            runner.max_total_num_tokens + max_bs, dtype=torch.int32, device=dev
-        )  # [capacity + max_bs]
+            max_bs * runner.req_to_token_pool.req_to_token.shape[1], dtype=torch.int32, device=dev
+        )  # [max_bs * max_context]
         self.graphs: dict[int, torch.cuda.CUDAGraph] = {}
         self.outputs: dict[int, torch.Tensor] = {}  # [bs, vocab] float32 logits per size
         self.wrappers: dict[int, object] = {}
         self.kv_indptr: dict[int, torch.Tensor] = {}
         self.last_page_len: dict[int, torch.Tensor] = {}
+        self.host_ones = torch.ones(max_bs, dtype=torch.int32)  # [max_bs] last_page_len for plan, host
         self.capture()
 
     def can_run(self, fb: ForwardBatch) -> bool:
@@ -64,6 +66,7 @@ class CudaGraphRunner:
             and fb.batch_size <= self.max_bs
             and fb.logit_index is None
             and not fb.return_all_logits
+            and sum(fb.seq_lens_cpu) + self.max_bs <= self.kv_indices.numel()
         )
 
     # ---- capture ------------------------------------------------------------------------
@@ -88,7 +91,9 @@ class CudaGraphRunner:
         )
 
     def _plan(self, bs: int, kv_indptr: torch.Tensor, kv_indices: torch.Tensor) -> None:
-        self.backend.plan_decode(self.wrappers[bs], kv_indptr, kv_indices, self.last_page_len[bs])
+        """kv_indptr [bs + 1] on the host, kv_indices on the device; plan copies them into
+        the wrapper's fixed buffers, which the captured kernels read."""
+        self.backend.plan_decode(self.wrappers[bs], kv_indptr, kv_indices, self.host_ones[:bs])
 
     def capture(self) -> None:
         t0 = time.perf_counter()
@@ -101,7 +106,7 @@ class CudaGraphRunner:
                 self.kv_indptr[bs], self.kv_indices, self.last_page_len[bs]
             )
             # Capture with every row a padding row: one KV page, slot 0.
-            self._plan(bs, torch.arange(bs + 1, dtype=torch.int32, device=dev), self.kv_indices[:bs].zero_())
+            self._plan(bs, torch.arange(bs + 1, dtype=torch.int32), self.kv_indices[:bs].zero_())
             fb = self._static_batch(bs)
             for _ in range(2):  # warm-up outside the graph (lazy inits, autotuning)
                 self._forward(fb)
@@ -134,10 +139,10 @@ class CudaGraphRunner:
             self.out_cache_loc[bs:size].zero_()
         total = sum(fb.seq_lens_cpu)
         kv_indptr, kv_indices = build_kv_indices(
-            self.runner.req_to_token_pool.req_to_token, fb.req_pool_indices, fb.seq_lens, total
+            self.runner.req_to_token_pool.req_to_token, fb.req_pool_indices, fb.seq_lens, fb.seq_lens_cpu
         )
         # Padding rows get one page each (slot 0) after the real rows' pages.
-        pad = torch.arange(1, size - bs + 1, dtype=torch.int32, device=kv_indptr.device) + total
+        pad = torch.arange(1, size - bs + 1, dtype=torch.int32) + total
         kv_indptr = torch.cat((kv_indptr, pad))  # [size + 1]
         kv_indices = torch.cat((kv_indices, kv_indices.new_zeros(size - bs)))  # [total + size - bs]
         self._plan(size, kv_indptr, kv_indices)

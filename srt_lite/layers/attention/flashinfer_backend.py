@@ -12,7 +12,8 @@ offsets) and `last_page_len` (all ones).
   exactly our rule (a row's new tokens come after its prefix).
 
 `plan` runs once per forward in `init_forward_metadata` (index set-up shared by all layers);
-`run` once per layer. Decode CUDA graphs (`model_executor/cuda_graph_runner.py`) use their own
+`run` once per layer. The index pointers are built on the host from the batch's host lists:
+`plan` copies them to the host anyway, so device copies would cost a sync per step. Decode CUDA graphs (`model_executor/cuda_graph_runner.py`) use their own
 decode wrappers over fixed buffers, one per captured batch size, re-planned before each replay.
 """
 
@@ -35,22 +36,24 @@ WORKSPACE_BYTES = 128 * 2**20
 
 
 def build_kv_indices(
-    req_to_token: torch.Tensor, req_pool_indices: torch.Tensor, seq_lens: torch.Tensor, total: int
+    req_to_token: torch.Tensor, req_pool_indices: torch.Tensor, seq_lens: torch.Tensor, seq_lens_cpu: list[int]
 ) -> tuple[torch.Tensor, torch.Tensor]:
     """Paged-KV description of a batch with page size 1, without a host sync.
 
     req_to_token [rows, max_context] int32, req_pool_indices [B], seq_lens [B] (tokens of KV
-    per request, new ones included), total = sum(seq_lens) known on the host.
-    Returns kv_indptr [B + 1] int32 and kv_indices [total] int32 (row b's first seq_lens[b]
-    slots at kv_indptr[b]:kv_indptr[b + 1])."""
+    per request, new ones included) on the device, and the same lengths as a host list.
+    Returns kv_indptr [B + 1] int32 on the host (FlashInfer's plan reads it there; a device
+    copy would cost a sync per step) and kv_indices [sum(seq_lens)] int32 on the device
+    (row b's first seq_lens[b] slots at kv_indptr[b]:kv_indptr[b + 1])."""
     device = req_to_token.device
-    B = req_pool_indices.shape[0]
-    kv_indptr = torch.zeros(B + 1, dtype=torch.int32, device=device)  # [B + 1]
-    kv_indptr[1:] = torch.cumsum(seq_lens, 0)
+    B, total = len(seq_lens_cpu), sum(seq_lens_cpu)
+    kv_indptr = torch.zeros(B + 1, dtype=torch.int32)  # [B + 1], host
+    kv_indptr[1:] = torch.cumsum(torch.tensor(seq_lens_cpu, dtype=torch.int32), 0)
+    starts = kv_indptr[:-1].to(device, non_blocking=True).to(torch.int64)  # [B]
     owner = torch.repeat_interleave(
         torch.arange(B, device=device), seq_lens, output_size=total
     )  # [total] batch row of each KV entry
-    col = torch.arange(total, device=device) - kv_indptr[owner].to(torch.int64)  # [total] position in its row
+    col = torch.arange(total, device=device) - starts[owner]  # [total] position in its row
     kv_indices = req_to_token[req_pool_indices[owner], col].to(torch.int32)  # [total]
     return kv_indptr, kv_indices
 
@@ -90,10 +93,8 @@ class FlashInferAttnBackend(AttentionBackend):
     # ---- planning -----------------------------------------------------------------------
 
     def init_forward_metadata(self, fb: "ForwardBatch") -> None:
-        kv_indptr, kv_indices = build_kv_indices(
-            self.req_to_token, fb.req_pool_indices, fb.seq_lens, sum(fb.seq_lens_cpu)
-        )
-        last_page_len = torch.ones(fb.batch_size, dtype=torch.int32, device=self.device)  # [B]
+        kv_indptr, kv_indices = build_kv_indices(self.req_to_token, fb.req_pool_indices, fb.seq_lens, fb.seq_lens_cpu)
+        last_page_len = torch.ones(fb.batch_size, dtype=torch.int32)  # [B], host
         if fb.forward_mode.is_decode():
             self.plan_decode(self.decode_wrapper, kv_indptr, kv_indices, last_page_len)
             fb.attn_metadata = FlashInferMetadata(self.decode_wrapper, decode=True)
@@ -101,7 +102,7 @@ class FlashInferAttnBackend(AttentionBackend):
         qo_indptr = torch.zeros(fb.batch_size + 1, dtype=torch.int32)  # [B + 1], host
         qo_indptr[1:] = torch.cumsum(torch.tensor(fb.extend_seq_lens_cpu), 0)
         self.prefill_wrapper.plan(
-            qo_indptr.to(self.device, non_blocking=True), kv_indptr, kv_indices, last_page_len,
+            qo_indptr, kv_indptr, kv_indices, last_page_len,
             self.num_qo_heads, self.num_kv_heads, self.head_dim, 1,
             causal=True, sm_scale=self.scaling, q_data_type=self.dtype, kv_data_type=self.dtype,
         )
