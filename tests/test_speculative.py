@@ -4,7 +4,9 @@ whatever ends a request and whatever else shares its batch, without leaking KV."
 
 from __future__ import annotations
 
+import re
 import threading
+import time
 
 import httpx
 import orjson
@@ -25,6 +27,13 @@ REPETITIVE = [
     "def f(x):\n    return x\n\ndef g(x):\n    return x\n\ndef h(x):",
 ]
 GREEDY = {"max_new_tokens": 40, "temperature": 0, "ignore_eos": True}
+
+
+def wait_for(cond, timeout: float = 60.0) -> None:
+    end = time.monotonic() + timeout
+    while not cond():
+        assert time.monotonic() < end, "timed out"
+        time.sleep(0.05)
 
 
 # ---- drafter pieces ----------------------------------------------------------------------
@@ -252,6 +261,37 @@ def test_server_streams_drafted_tokens_like_the_benchmark_client(engine):
         metrics = httpx.get(s.base_url + "/metrics").text
         line = next(ln for ln in metrics.splitlines() if ln.startswith("srt_lite:spec_accept_length{"))
         assert float(line.rsplit(" ", 1)[1]) > 1.5
+
+
+def test_short_prompts_joining_mid_way_leave_the_drafting_rows_drafting(engine):
+    """A short prompt that joins a running batch makes a mixed step; the running greedy
+    request keeps verifying drafts in it (the prefill log counts them), and both outputs
+    equal plain decoding."""
+    long_prompt, short_prompts = REPETITIVE[2], REPETITIVE[:2] + REPETITIVE[3:]
+    long_params = {"max_new_tokens": 160, "temperature": 0, "ignore_eos": True}
+    short_params = {"max_new_tokens": 8, "temperature": 0, "ignore_eos": True}
+    want_long = engine.generate(long_prompt, long_params)["text"]
+    want_short = [engine.generate(p, short_params)["text"] for p in short_prompts]
+    with ServerProcess("--dtype", "float32", "--speculative-algorithm", "ngram", "--max-total-tokens", "4096") as s:
+        model = httpx.get(s.base_url + "/v1/models").json()["data"][0]["id"]
+        got_long = {}
+
+        def run_long() -> None:
+            body = {"model": model, "prompt": long_prompt, "max_tokens": 160, "temperature": 0, "ignore_eos": True}
+            got_long["text"] = httpx.post(s.base_url + "/v1/completions", json=body, timeout=120).json()["choices"][0]["text"]
+
+        thread = threading.Thread(target=run_long)
+        thread.start()
+        wait_for(lambda: "Prefill batch" in s.read_log())  # the long request is running
+        got_short = []
+        for p in short_prompts:
+            body = {"model": model, "prompt": p, "max_tokens": 8, "temperature": 0, "ignore_eos": True}
+            got_short.append(httpx.post(s.base_url + "/v1/completions", json=body, timeout=60).json()["choices"][0]["text"])
+        thread.join()
+        log = s.read_log()
+    assert got_long["text"] == want_long and got_short == want_short
+    drafted = [int(m) for m in re.findall(r"Prefill batch\..*#draft-token: (\d+)", log)]
+    assert drafted and max(drafted) > 0, log[-2000:]
 
 
 def test_tensor_parallel_ranks_draft_and_accept_alike(engine):
