@@ -110,18 +110,25 @@ def test_qwen3_q_k_norm_weights_are_used(tmp_path):
     assert (before - after).abs().max().item() > 1e-3
 
 
-def test_cascade_decode_over_shared_prefix_matches_transformers(tmp_path, monkeypatch):
+@pytest.mark.parametrize("consecutive", [True, False])
+def test_cascade_decode_over_shared_prefix_matches_transformers(tmp_path, monkeypatch, consecutive):
     """Rows that share their first 80 KV slots (a radix hit) take the cascade path (shared
     prefix once + own suffixes, merged by log-sum-exp): the extend step's short rows (verify
-    rows, as in speculative decoding) and the decode steps; logits still match HF."""
+    rows, as in speculative decoding) and the decode steps; logits still match HF. The prefix
+    is read as a view of the pool when its slots are consecutive, else gathered."""
     from srt_lite.layers.attention import torch_native_backend as tnb
 
-    calls = []
+    calls, starts = [], []
     original = tnb.TorchNativeAttnBackend._attend_folded
     monkeypatch.setattr(tnb.TorchNativeAttnBackend, "_attend_folded", staticmethod(lambda *a: calls.append(1) or original(*a)))
+    original_prefix = tnb._prefix
+    monkeypatch.setattr(tnb, "_prefix", lambda index: starts.append(original_prefix(index)["prefix_start"]) or original_prefix(index))
     path = make_tiny_model("llama", tmp_path / "llama")
     hf = AutoModelForCausalLM.from_pretrained(path, dtype=torch.float32).eval()
     runner = ModelRunner(ModelConfig.load(path), ServerArgs(dtype="float32", max_total_tokens=2048))
+    if not consecutive:  # a fragmented free list: the prompt's slots are scattered
+        free = runner.token_to_kv_pool.free_slots
+        runner.token_to_kv_pool.free_slots = free[torch.randperm(free.numel(), generator=torch.Generator().manual_seed(5))]
     g = torch.Generator().manual_seed(2)
     prefix = torch.randint(3, 320, (80,), generator=g).tolist()
     suffixes = [torch.randint(3, 320, (n,), generator=g).tolist() for n in (1, 4, 9, 15)]
@@ -140,6 +147,7 @@ def test_cascade_decode_over_shared_prefix_matches_transformers(tmp_path, monkey
     # Both layers: the extend step (rows of 4, 9 and 15 tokens; the 1-token row is a decode
     # row of its own) and every decode step.
     assert len(calls) == 2 + 3 * 2
+    assert len(starts) == 4 and all((st is not None) == consecutive for st in starts)
 
 
 @pytest.mark.parametrize("kind,dtype", [("qwen3", "float32"), ("llama_tied_bias", "bfloat16")])

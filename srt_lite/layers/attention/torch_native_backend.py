@@ -53,6 +53,9 @@ class AttnGroup:
     folded: bool = False
     # Cascade: slots of the prefix every row shares; kv_index/mask then cover the suffixes.
     prefix_index: torch.Tensor | None = None  # [Lp] int64
+    # The prefix's first slot when its slots are consecutive (a prompt prefilled in one go
+    # gets a run of free slots): the layers then read it as a view instead of gathering it.
+    prefix_start: int | None = None
     # `mask` as an additive 0 / -inf bias in the query dtype, built at the first layer (SDPA
     # would convert a bool mask again in every layer); [Bg, 1, G * Lq, Lk] when folded.
     bias: torch.Tensor | None = None
@@ -106,7 +109,7 @@ class TorchNativeAttnBackend(AttentionBackend):
             if shared >= CASCADE_MIN_PREFIX:
                 return AttnGroup(
                     tok_idx, kv_index[:, shared:], key_valid[:, None, None, shared:], None, None, 1,
-                    folded=True, prefix_index=kv_index[0, :shared].contiguous(),
+                    folded=True, **_prefix(kv_index[0, :shared]),
                 )
             # Decode: the only constraint is the sequence length (none for a single row).
             mask = key_valid[:, None, None, :] if B > 1 else None
@@ -135,7 +138,7 @@ class TorchNativeAttnBackend(AttentionBackend):
             return AttnGroup(tok_idx, kv_index, mask.unsqueeze(1), q_rows, q_cols, max_q)
         return AttnGroup(
             tok_idx, kv_index[:, shared:], mask[:, None, :, shared:], q_rows, q_cols, max_q, folded=True,
-            prefix_index=kv_index[0, :shared].contiguous() if shared else None,
+            **(_prefix(kv_index[0, :shared]) if shared else {}),
         )
 
     @staticmethod
@@ -226,8 +229,12 @@ class TorchNativeAttnBackend(AttentionBackend):
         else:
             # Prefix: one sequence whose B * G * Lq queries per KV head all see every prefix token.
             lp = g.prefix_index.shape[0]
-            k_pre = k_buf.index_select(0, g.prefix_index).view(1, lp, Hkv, D).transpose(1, 2)
-            v_pre = v_buf.index_select(0, g.prefix_index).view(1, lp, Hkv, D).transpose(1, 2)
+            if g.prefix_start is not None:
+                k_pre, v_pre = k_buf[g.prefix_start : g.prefix_start + lp], v_buf[g.prefix_start : g.prefix_start + lp]
+            else:
+                k_pre, v_pre = k_buf.index_select(0, g.prefix_index), v_buf.index_select(0, g.prefix_index)
+            k_pre = k_pre.view(1, lp, Hkv, D).transpose(1, 2)  # [1, Hkv, Lp, D]
+            v_pre = v_pre.view(1, lp, Hkv, D).transpose(1, 2)
             q_pre = qf.transpose(0, 1).reshape(1, Hkv, B * G * Lq, D)
             o_pre, lse_pre = flash(q_pre, k_pre.to(q.dtype), v_pre.to(q.dtype), scale=layer.scaling)
             o_pre = o_pre.view(Hkv, B, G * Lq, D).transpose(0, 1)  # [B, Hkv, G * Lq, D]
@@ -241,6 +248,14 @@ class TorchNativeAttnBackend(AttentionBackend):
         if g.q_rows is not None:
             return out[g.q_rows, g.q_cols]
         return out.reshape(T, H * D)
+
+
+def _prefix(index: torch.Tensor) -> dict:
+    """AttnGroup fields for a cascade prefix with these slots ([Lp] int64)."""
+    index = index.contiguous()
+    start = int(index[0])
+    consecutive = bool((index == torch.arange(start, start + index.numel(), device=index.device)).all())
+    return {"prefix_index": index, "prefix_start": start if consecutive else None}
 
 
 def _additive(mask: torch.Tensor, dtype: torch.dtype) -> torch.Tensor:
