@@ -8,6 +8,8 @@ tensor, so loading never materialises a full tensor on every rank.
 
 from __future__ import annotations
 
+import weakref
+
 import torch
 import torch.nn.functional as F
 from torch import nn
@@ -56,7 +58,7 @@ class PackableLinear(nn.Module):
         self.weight.data = torch.empty(0, dtype=self.weight.dtype)
         self.out_features = out_features
         self.packed_key = len(_PACKED)
-        _PACKED.append(self)
+        _PACKED.append(weakref.ref(self))
 
     def matmul(self, x: torch.Tensor, bias: torch.Tensor | None) -> torch.Tensor:
         if self.packed_weight is None:
@@ -75,18 +77,18 @@ class PackableLinear(nn.Module):
         return torch.ops.mkldnn._linear_pointwise(x, self.packed_weight, bias, "none", [], "")[:n]
 
 
-# Every packed linear of the process, by packed_key (weights live as long as the model).
-_PACKED: list[PackableLinear] = []
+# Every packed linear of the process, by packed_key; weak, so a dropped model is freed.
+_PACKED: list["weakref.ref[PackableLinear]"] = []
 
 
 @torch.library.custom_op("srt_lite::packed_linear", mutates_args=())
 def _packed_linear_op(x: torch.Tensor, bias: torch.Tensor | None, key: int) -> torch.Tensor:
-    return _PACKED[key].packed_matmul(x, bias)
+    return _PACKED[key]().packed_matmul(x, bias)
 
 
 @_packed_linear_op.register_fake
 def _(x: torch.Tensor, bias: torch.Tensor | None, key: int) -> torch.Tensor:
-    return x.new_empty(x.shape[0], _PACKED[key].out_features)  # [T, out_features]
+    return x.new_empty(x.shape[0], _PACKED[key]().out_features)  # [T, out_features]
 
 
 def pack_linears_for_cpu(model: nn.Module) -> None:

@@ -17,7 +17,7 @@ from typing import TYPE_CHECKING
 
 import torch
 
-from srt_lite.layers.attention.flashinfer_backend import FlashInferMetadata, build_kv_indices
+from srt_lite.layers.attention.flashinfer_backend import build_kv_indices
 from srt_lite.layers.logits_processor import LogitsProcessorOutput
 from srt_lite.model_executor.forward_batch import ForwardBatch, ForwardMode
 
@@ -87,7 +87,7 @@ class CudaGraphRunner:
             req_to_token_pool=r.req_to_token_pool,
             token_to_kv_pool=r.token_to_kv_pool,
             attn_backend=self.backend,
-            attn_metadata=FlashInferMetadata(self.wrappers[bs], decode=True),
+            attn_metadata=self.wrappers[bs],
         )
 
     def _plan(self, bs: int, kv_indptr: torch.Tensor, kv_indices: torch.Tensor) -> None:

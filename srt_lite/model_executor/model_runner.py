@@ -9,6 +9,7 @@ import torch
 
 from srt_lite.distributed import get_tp_rank, get_tp_size
 from srt_lite.layers.attention import create_attention_backend
+from srt_lite.layers.attention.flashinfer_backend import FlashInferAttnBackend
 from srt_lite.layers.linear import pack_linears_for_cpu
 from srt_lite.layers.logits_processor import LogitsProcessorOutput
 from srt_lite.layers.radix_attention import RadixAttention, compiled_forward_batch
@@ -44,9 +45,7 @@ class ModelRunner:
         if server_args.enable_torch_compile:
             self.init_torch_compile()
         self.cuda_graph_runner = None
-        if self.device.startswith("cuda") and not server_args.disable_cuda_graph and hasattr(
-            self.attn_backend, "make_cuda_graph_decode_wrapper"
-        ):
+        if isinstance(self.attn_backend, FlashInferAttnBackend) and not server_args.disable_cuda_graph:
             from srt_lite.model_executor.cuda_graph_runner import CudaGraphRunner
 
             max_bs = min(server_args.cuda_graph_max_bs or 160, server_args.max_running_requests)

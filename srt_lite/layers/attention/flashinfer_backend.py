@@ -12,22 +12,23 @@ offsets) and `last_page_len` (all ones).
   exactly our rule (a row's new tokens come after its prefix).
 
 `plan` runs once per forward in `init_forward_metadata` (index set-up shared by all layers);
-`run` once per layer. The index pointers are built on the host from the batch's host lists:
-`plan` copies them to the host anyway, so device copies would cost a sync per step. Decode CUDA graphs (`model_executor/cuda_graph_runner.py`) use their own
-decode wrappers over fixed buffers, one per captured batch size, re-planned before each replay.
+`run` once per layer; `fb.attn_metadata` is the planned wrapper. The index pointers are built
+on the host from the batch's host lists: `plan` copies them to the host anyway, so device
+copies would cost a sync per step. Decode CUDA graphs (`model_executor/cuda_graph_runner.py`)
+use their own decode wrappers over fixed buffers, one per captured batch size, re-planned
+before each replay.
 """
 
 from __future__ import annotations
 
-from dataclasses import dataclass
 from typing import TYPE_CHECKING, Any
 
 import torch
 
 from srt_lite.layers.attention.base import AttentionBackend
+from srt_lite.layers.radix_attention import RadixAttention
 
 if TYPE_CHECKING:
-    from srt_lite.layers.radix_attention import RadixAttention
     from srt_lite.model_executor.forward_batch import ForwardBatch
     from srt_lite.model_executor.model_runner import ModelRunner
 
@@ -58,12 +59,6 @@ def build_kv_indices(
     return kv_indptr, kv_indices
 
 
-@dataclass
-class FlashInferMetadata:
-    wrapper: Any  # the decode or prefill wrapper planned for this batch
-    decode: bool
-
-
 class FlashInferAttnBackend(AttentionBackend):
     def __init__(self, model_runner: "ModelRunner"):
         import flashinfer  # optional dependency: only the CUDA path needs it
@@ -75,7 +70,7 @@ class FlashInferAttnBackend(AttentionBackend):
         self.num_qo_heads = cfg.num_heads // model_runner.tp_size
         self.num_kv_heads = model_runner.kv_heads_per_rank()
         self.head_dim = cfg.head_dim
-        layers = [m for m in model_runner.model.modules() if type(m).__name__ == "RadixAttention"]
+        layers = [m for m in model_runner.model.modules() if isinstance(m, RadixAttention)]
         self.scaling = layers[0].scaling if layers else self.head_dim**-0.5
         self.req_to_token = model_runner.req_to_token_pool.req_to_token
         pool = model_runner.token_to_kv_pool
@@ -97,7 +92,7 @@ class FlashInferAttnBackend(AttentionBackend):
         last_page_len = torch.ones(fb.batch_size, dtype=torch.int32)  # [B], host
         if fb.forward_mode.is_decode():
             self.plan_decode(self.decode_wrapper, kv_indptr, kv_indices, last_page_len)
-            fb.attn_metadata = FlashInferMetadata(self.decode_wrapper, decode=True)
+            fb.attn_metadata = self.decode_wrapper
             return
         qo_indptr = torch.zeros(fb.batch_size + 1, dtype=torch.int32)  # [B + 1], host
         qo_indptr[1:] = torch.cumsum(torch.tensor(fb.extend_seq_lens_cpu), 0)
@@ -106,7 +101,7 @@ class FlashInferAttnBackend(AttentionBackend):
             self.num_qo_heads, self.num_kv_heads, self.head_dim, 1,
             causal=True, sm_scale=self.scaling, q_data_type=self.dtype, kv_data_type=self.dtype,
         )
-        fb.attn_metadata = FlashInferMetadata(self.prefill_wrapper, decode=False)
+        fb.attn_metadata = self.prefill_wrapper
 
     def plan_decode(
         self, wrapper: Any, kv_indptr: torch.Tensor, kv_indices: torch.Tensor, last_page_len: torch.Tensor
@@ -141,6 +136,5 @@ class FlashInferAttnBackend(AttentionBackend):
         T = q.shape[0]
         H, Hkv, D = layer.num_heads, layer.num_kv_heads, layer.head_dim
         fb.token_to_kv_pool.set_kv_buffer(layer.layer_id, fb.out_cache_loc, k.view(T, Hkv, D), v.view(T, Hkv, D))
-        meta: FlashInferMetadata = fb.attn_metadata
-        out = meta.wrapper.run(q.reshape(T, H, D), self.kv_caches[layer.layer_id])  # [T, H, D]
+        out = fb.attn_metadata.run(q.reshape(T, H, D), self.kv_caches[layer.layer_id])  # [T, H, D]
         return out.view(T, H * D)
