@@ -17,7 +17,7 @@ from server_utils import ServerProcess
 from test_scheduler import LONG, PRESSURE
 from srt_lite.managers.schedule_batch import Req
 from srt_lite.sampling.sampling_params import SamplingParams
-from srt_lite.speculative.ngram import PROBE_INTERVAL, NgramIndex, NgramProposer, accept_greedy
+from srt_lite.speculative.ngram import PROBE_INTERVAL, NgramIndex, NgramProposer, SharedNgramTable, accept_greedy
 
 # Prompts whose greedy continuations repeat (so drafts get accepted) or do not.
 REPETITIVE = [
@@ -108,6 +108,46 @@ def test_only_plain_greedy_requests_draft_and_failing_ones_stop_then_probe():
     assert drafts == [0] * (PROBE_INTERVAL - 1) + [1]
 
 
+def test_drafts_come_from_own_output_then_other_requests_output_then_own_prompt():
+    p = NgramProposer(4, 1, 2)
+
+    def req(prompt: list[int], output: list[int]) -> Req:
+        r = Req("r", prompt, SamplingParams(max_new_tokens=50, temperature=0))
+        r.output_ids = output
+        return r
+
+    # Request a generated 7 8 9 after the prompt tail 5 6; its n-grams go to the shared table
+    # as it decodes (propose indexes them), pointing into its live output list.
+    a = req([1, 5, 6], [7, 8, 9])
+    p.propose(a, room=10, batch_size=1)
+    # b's tail 5 6 occurs in its own prompt (followed by 2) and in a's text (followed by 7 8 9):
+    # another request's generated text beats a prompt match.
+    b = req([5, 6, 2, 3, 5], [6])
+    assert p.propose(b, room=10, batch_size=1) == [7, 8, 9]
+    # a's continuation grows while a decodes.
+    a.output_ids.append(10)
+    assert p.propose(req([4, 5, 6, 0, 5], [6]), room=10, batch_size=1) == [7, 8, 9, 10]
+    # The request's own generated text beats both.
+    c = req([5, 6, 2], [5, 6, 4, 5, 6])
+    assert p.propose(c, room=10, batch_size=1) == [4, 5, 6, 4]
+    # With no shared match, a prompt match still drafts.
+    assert p.propose(req([3, 1, 2, 3, 3], [1]), room=10, batch_size=1) == [2, 3, 3, 1]
+
+
+def test_shared_table_is_bounded_and_never_drafts_a_request_from_itself():
+    table = SharedNgramTable(1, 2, capacity=6)
+    index = NgramIndex(1, 2)
+    r = Req("r", [1, 2], SamplingParams(max_new_tokens=50, temperature=0))
+    r.output_ids = [3, 4, 5, 6, 7]
+    table.add(r, index)
+    assert len(table.ends) <= 6
+    assert table.match((6,), 3, exclude=[]) == [7]  # the newest n-grams stay
+    assert table.match((1, 2), 3, exclude=[]) is None  # the oldest went first
+    assert table.match((6,), 3, exclude=r.output_ids) is None
+    table.add(r, index)  # nothing new: indexing is incremental
+    assert index.shared_indexed == 5
+
+
 # ---- engine -----------------------------------------------------------------------------
 
 
@@ -145,6 +185,24 @@ def test_greedy_output_equals_plain_decoding_alone_and_batched(engine, spec_engi
     spec_engine.flush_cache()
     together = spec_engine.generate(prompts, GREEDY)
     assert [o["output_ids"] for o in together] == plain
+    assert_idle(spec_engine)
+
+
+def test_a_request_drafts_from_an_earlier_requests_output(spec_engine):
+    """The same question asked again: its whole answer is drafted from the first answer (the
+    shared n-grams start in the prompt's last tokens), and the output is unchanged."""
+    prompt = PROMPTS[2]
+    params = {"max_new_tokens": 48, "temperature": 0, "ignore_eos": True}
+    before = spec_engine.get_load()
+    first = spec_engine.generate(prompt, params)
+    mid = spec_engine.get_load()
+    second = spec_engine.generate(prompt, params)
+    after = spec_engine.get_load()
+    assert second["output_ids"] == first["output_ids"]
+    first_rows = mid.spec_verified_rows - before.spec_verified_rows
+    second_rows = after.spec_verified_rows - mid.spec_verified_rows
+    # 47 tokens after the prefill's first: at most 15 drafts + 1 per step.
+    assert second_rows <= 4 and second_rows < first_rows, (first_rows, second_rows)
     assert_idle(spec_engine)
 
 

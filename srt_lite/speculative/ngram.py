@@ -14,6 +14,14 @@ logprobs, min_new_tokens already reached. Other requests in the batch decode one
 usual. This is the idea of SGLang's NGRAM and vLLM's "ngram" method; the index here is a
 per-request dict of n-grams kept up to date incrementally.
 
+Like SGLang's NGRAM (whose n-gram trie spans requests), drafts also come from other requests'
+generated text (SharedNgramTable): requests that share a prompt prefix or a task tend to
+generate alike (the same answer format, the same loop), so one request's output drafts
+another's. Where a tail occurs in several places, the source that best predicts the model's
+next tokens wins: the request's own generated text, then other requests' generated text,
+then the request's prompt (a prompt match is often a coincidence, e.g. common short
+n-grams of a long document).
+
 How many tokens to draft is decided per request and step from a cost model: a draft token
 costs compute (more so with a long context, as attention then dominates), and pays off only
 if accepted, which happens with probability p^i for the i-th token, p being the request's
@@ -39,6 +47,9 @@ DRAFT_TOKEN, DRAFT_PER_CONTEXT = 0.5, 0.0007
 ACCEPT_DECAY = 0.7
 # A request that stopped drafting tries one draft token again after this many steps.
 PROBE_INTERVAL = 8
+# Entries of the cross-request table (about max_n per generated token, ~250 bytes each);
+# the oldest go first.
+SHARED_NGRAM_CAPACITY = 1 << 17
 
 
 class NgramIndex:
@@ -52,6 +63,7 @@ class NgramIndex:
         self.indexed = 0  # ends 1..indexed are in `ends`
         self.hits = self.misses = 0.0  # decayed counts of accepted and rejected draft tokens
         self.idle_steps = 0  # steps since the last draft
+        self.shared_indexed = 0  # output positions 0..shared_indexed-1 are in SharedNgramTable
 
     def accept_rate(self) -> float:
         return (self.hits + 1.0) / (self.hits + self.misses + 2.0)
@@ -60,31 +72,75 @@ class NgramIndex:
         self.hits = self.hits * ACCEPT_DECAY + accepted
         self.misses = self.misses * ACCEPT_DECAY + (accepted < drafted)
 
-    def propose(self, tokens: list[int], k: int) -> list[int]:
-        """Up to k tokens that followed the longest earlier occurrence of tokens' tail."""
-        L = len(tokens)
-        for end in range(max(self.indexed + 1, self.min_n), L):
+    def extend(self, tokens: list[int]) -> None:
+        """Indexes the n-grams of tokens (the same list, grown) not indexed yet."""
+        for end in range(max(self.indexed + 1, self.min_n), len(tokens)):
             for n in range(self.min_n, min(self.max_n, end) + 1):
                 self.ends[tuple(tokens[end - n : end])] = end
-        self.indexed = max(self.indexed, L - 1)
+        self.indexed = max(self.indexed, len(tokens) - 1)
+
+    def propose(self, tokens: list[int], k: int) -> list[int]:
+        """Up to k tokens that followed the longest earlier occurrence of tokens' tail."""
+        self.extend(tokens)
+        L = len(tokens)
         for n in range(min(self.max_n, L - 1), self.min_n - 1, -1):
             start = self.ends.get(tuple(tokens[L - n :]))
             if start is not None:
-                # Copy from `start` on, like an LZ77 match: a copy that runs into the end of
-                # the list continues with its own tokens, so a loop of period p < k still
-                # gives k tokens.
-                draft: list[int] = []
-                for j in range(k):
-                    src = start + j
-                    draft.append(tokens[src] if src < L else draft[src - L])
-                return draft
+                return copy_from(tokens, start, k)
         return []
+
+
+def copy_from(tokens: list[int], start: int, k: int) -> list[int]:
+    """k tokens from tokens[start] on, like an LZ77 match: a copy that runs into the end of
+    the list continues with its own tokens, so a loop of period p < k still gives k tokens."""
+    L = len(tokens)
+    draft: list[int] = []
+    for j in range(k):
+        src = start + j
+        draft.append(tokens[src] if src < L else draft[src - L])
+    return draft
+
+
+class SharedNgramTable:
+    """Server-wide: the latest place where each n-gram of a request's generated text was
+    followed by a token, as (that request's output list, index in it). Entries point into
+    the live list, so a continuation grows while its request decodes; n-grams may start in
+    the prompt's last tokens. Bounded: the least recently written entries go first."""
+
+    def __init__(self, min_n: int, max_n: int, capacity: int = SHARED_NGRAM_CAPACITY):
+        self.min_n, self.max_n, self.capacity = min_n, max_n, capacity
+        self.ends: dict[tuple[int, ...], tuple[list[int], int]] = {}
+
+    def add(self, req: "Req", index: NgramIndex) -> None:
+        """Indexes req's n-grams that end at an output position with a token after it."""
+        out = req.output_ids
+        if index.shared_indexed >= len(out):
+            return
+        head = req.origin_input_ids[-self.max_n :]
+        seq, h = head + out, len(head)  # output position e is seq[h + e]
+        for e in range(index.shared_indexed, len(out)):
+            for n in range(self.min_n, min(self.max_n, h + e) + 1):
+                key = tuple(seq[h + e - n : h + e])
+                self.ends.pop(key, None)  # re-insert at the end: the newest entry lives longest
+                self.ends[key] = (out, e)
+        index.shared_indexed = len(out)
+        while len(self.ends) > self.capacity:
+            del self.ends[next(iter(self.ends))]
+
+    def match(self, tail: tuple[int, ...], k: int, exclude: list[int]) -> list[int] | None:
+        """Up to k tokens that followed `tail` in another request's output (not `exclude`)."""
+        hit = self.ends.get(tail)
+        if hit is None or hit[0] is exclude:
+            return None
+        out, e = hit
+        return out[e : e + k]
 
 
 class NgramProposer:
     def __init__(self, num_draft_tokens: int, min_n: int, max_n: int):
         self.k = num_draft_tokens
         self.min_n, self.max_n = min_n, max_n
+        self.shared = SharedNgramTable(min_n, max_n)
 
     @staticmethod
     def eligible(req: "Req") -> bool:
@@ -106,6 +162,7 @@ class NgramProposer:
         if req.ngram_index is None:
             req.ngram_index = NgramIndex(self.min_n, self.max_n)
         index = req.ngram_index
+        self.shared.add(req, index)
         k = min(self.num_worth_drafting(index.accept_rate(), req.seq_len, batch_size), room)
         if k == 0:
             index.idle_steps += 1
@@ -113,7 +170,25 @@ class NgramProposer:
                 return []
             k = 1  # probe: the text may have turned repetitive
         index.idle_steps = 0
-        return index.propose(req.fill_ids, k)
+        return self.draft(req, index, k)
+
+    def draft(self, req: "Req", index: NgramIndex, k: int) -> list[int]:
+        """Up to k tokens after the longest tail of req that occurred before: in its own
+        generated text, else in another request's, else in its prompt."""
+        tokens = req.fill_ids
+        index.extend(tokens)
+        L, prompt_len = len(tokens), len(req.origin_input_ids)
+        for n in range(min(self.max_n, L - 1), self.min_n - 1, -1):
+            tail = tuple(tokens[L - n :])
+            start = index.ends.get(tail)
+            if start is not None and start >= prompt_len:
+                return copy_from(tokens, start, k)
+            shared = self.shared.match(tail, k, exclude=req.output_ids)
+            if shared:
+                return shared
+            if start is not None:
+                return copy_from(tokens, start, k)
+        return []
 
     def num_worth_drafting(self, p: float, context: int, batch_size: int) -> int:
         """The most draft tokens whose chance of acceptance (p^i for the i-th) still beats
