@@ -17,7 +17,7 @@ from server_utils import ServerProcess
 from test_scheduler import LONG, PRESSURE
 from srt_lite.managers.schedule_batch import Req
 from srt_lite.sampling.sampling_params import SamplingParams
-from srt_lite.speculative.ngram import PROBE_INTERVAL, NgramIndex, NgramProposer, SharedNgramTable, accept_greedy
+from srt_lite.speculative.ngram import PROBE_INTERVAL, AcceptStats, NgramIndex, NgramProposer, SharedNgramTable, accept_greedy
 
 # Prompts whose greedy continuations repeat (so drafts get accepted) or do not.
 REPETITIVE = [
@@ -71,18 +71,46 @@ def test_accept_greedy_takes_the_matching_prefix_and_the_model_token_after_it():
 def test_cost_model_drafts_more_when_cheap_or_likely():
     p = NgramProposer(8, 1, 4)
     # A lone request: draft tokens are nearly free, so even a coin flip drafts several.
-    assert p.num_worth_drafting(0.5, 100, 1) >= 4
-    assert p.num_worth_drafting(0.95, 300, 1) == 8
+    assert p.num_worth_drafting(0.5, 0.5, 100, 1) >= 4
+    assert p.num_worth_drafting(0.95, 0.95, 300, 1) == 8
     # Monotone: more with a higher acceptance rate, fewer with bigger batches and contexts.
     for b in (1, 8, 16, 64):
-        ks = [p.num_worth_drafting(q, 300, b) for q in (0.1, 0.3, 0.5, 0.7, 0.9)]
+        ks = [p.num_worth_drafting(q, q, 300, b) for q in (0.1, 0.3, 0.5, 0.7, 0.9)]
         assert ks == sorted(ks)
-    assert p.num_worth_drafting(0.5, 300, 16) < p.num_worth_drafting(0.5, 300, 1)
-    assert p.num_worth_drafting(0.5, 4000, 16) <= p.num_worth_drafting(0.5, 300, 16)
-    assert p.num_worth_drafting(0.1, 1000, 16) == 0
+        assert p.num_worth_drafting(0.5, 0.9, 300, b) >= p.num_worth_drafting(0.5, 0.5, 300, b)
+    assert p.num_worth_drafting(0.5, 0.5, 300, 16) < p.num_worth_drafting(0.5, 0.5, 300, 1)
+    assert p.num_worth_drafting(0.5, 0.5, 4000, 16) <= p.num_worth_drafting(0.5, 0.5, 300, 16)
+    assert p.num_worth_drafting(0.1, 0.9, 1000, 16) == 0
 
 
-def test_only_plain_greedy_requests_draft_and_failing_ones_stop_then_probe():
+def test_acceptance_is_learned_per_source_and_tail_length():
+    """A kind of match whose drafts fail stops drafting in a busy batch (probing now and
+    then) while another kind keeps drafting; the estimates follow the observed rates."""
+    stats = AcceptStats()
+    for _ in range(40):
+        stats.observe(4, 1)  # first token always accepted, the second never
+    first, later = stats.rates()
+    assert first > 0.9 and later < 0.15
+    p = NgramProposer(4, 1, 2)
+
+    def req(prompt: list[int], output: list[int]) -> Req:
+        r = Req("r", prompt, SamplingParams(max_new_tokens=50, temperature=0))
+        r.output_ids = output
+        return r
+
+    for _ in range(10):  # prompt matches of length 2 fail (drafted alone, where it is cheap)...
+        r = req([1, 2, 9, 1], [2])
+        r.draft_ids = p.propose(r, room=10, batch_size=1)
+        assert r.draft_ids
+        p.observe(r, 0)
+    assert p.stats[("prompt", 2)].rates()[0] < 0.2
+    drafts = [len(p.propose(req([1, 2, 9, 1], [2]), room=10, batch_size=32)) for _ in range(PROBE_INTERVAL)]
+    assert drafts == [0] * (PROBE_INTERVAL - 1) + [1]
+    # ...while a request repeating its own output still drafts in the same batch.
+    assert p.propose(req([5], [6, 7, 6, 7, 6]), room=10, batch_size=32)
+
+
+def test_only_plain_greedy_requests_draft():
     p = NgramProposer(4, 1, 3)
 
     def req(**params) -> Req:
@@ -98,14 +126,6 @@ def test_only_plain_greedy_requests_draft_and_failing_ones_stop_then_probe():
     r = req(temperature=0)
     r.return_logprob = True
     assert p.propose(r, room=10, batch_size=1) == []
-    # Every draft rejected: in a big batch the request stops drafting, then probes with one.
-    r = req(temperature=0)
-    r.draft_ids = p.propose(r, room=10, batch_size=32)
-    assert r.draft_ids
-    for _ in range(6):
-        p.observe(r, 0)
-    drafts = [len(p.propose(r, room=10, batch_size=32)) for _ in range(PROBE_INTERVAL)]
-    assert drafts == [0] * (PROBE_INTERVAL - 1) + [1]
 
 
 def test_drafts_come_from_own_output_then_other_requests_output_then_own_prompt():
@@ -141,9 +161,9 @@ def test_shared_table_is_bounded_and_never_drafts_a_request_from_itself():
     r.output_ids = [3, 4, 5, 6, 7]
     table.add(r, index)
     assert len(table.ends) <= 6
-    assert table.match((6,), 3, exclude=[]) == [7]  # the newest n-grams stay
-    assert table.match((1, 2), 3, exclude=[]) is None  # the oldest went first
-    assert table.match((6,), 3, exclude=r.output_ids) is None
+    assert table.match((6,), exclude=[]) == (r.output_ids, 4)  # the newest n-grams stay
+    assert table.match((1, 2), exclude=[]) is None  # the oldest went first
+    assert table.match((6,), exclude=r.output_ids) is None
     table.add(r, index)  # nothing new: indexing is incremental
     assert index.shared_indexed == 5
 
@@ -193,6 +213,7 @@ def test_a_request_drafts_from_an_earlier_requests_output(spec_engine):
     shared n-grams start in the prompt's last tokens), and the output is unchanged."""
     prompt = PROMPTS[2]
     params = {"max_new_tokens": 48, "temperature": 0, "ignore_eos": True}
+    spec_engine.flush_cache()  # also forgets the text of the requests before
     before = spec_engine.get_load()
     first = spec_engine.generate(prompt, params)
     mid = spec_engine.get_load()

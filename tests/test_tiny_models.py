@@ -113,14 +113,18 @@ def test_qwen3_q_k_norm_weights_are_used(tmp_path):
 @pytest.mark.parametrize("consecutive", [True, False])
 def test_cascade_decode_over_shared_prefix_matches_transformers(tmp_path, monkeypatch, consecutive):
     """Rows that share their first 80 KV slots (a radix hit) take the cascade path (shared
-    prefix once + own suffixes, merged by log-sum-exp): the extend step's short rows (verify
-    rows, as in speculative decoding) and the decode steps; logits still match HF. The prefix
-    is read as a view of the pool when its slots are consecutive, else gathered."""
+    prefix once + own suffixes, merged by log-sum-exp): in the extend step a decode row,
+    verify rows (as in speculative decoding) and a 24-token prompt on the cached prefix, all
+    in one group, then the decode steps; logits still match HF. The prefix is read as a view
+    of the pool when its slots are consecutive, else gathered."""
     from srt_lite.layers.attention import torch_native_backend as tnb
 
     calls, starts = [], []
     original = tnb.TorchNativeAttnBackend._attend_folded
-    monkeypatch.setattr(tnb.TorchNativeAttnBackend, "_attend_folded", staticmethod(lambda *a: calls.append(1) or original(*a)))
+    monkeypatch.setattr(
+        tnb.TorchNativeAttnBackend, "_attend_folded",
+        staticmethod(lambda *a: calls.append((a[3].kv_index.shape[0], a[3].max_q)) or original(*a)),
+    )
     original_prefix = tnb._prefix
     monkeypatch.setattr(tnb, "_prefix", lambda index: starts.append(original_prefix(index)["prefix_start"]) or original_prefix(index))
     path = make_tiny_model("llama", tmp_path / "llama")
@@ -131,7 +135,7 @@ def test_cascade_decode_over_shared_prefix_matches_transformers(tmp_path, monkey
         runner.token_to_kv_pool.free_slots = free[torch.randperm(free.numel(), generator=torch.Generator().manual_seed(5))]
     g = torch.Generator().manual_seed(2)
     prefix = torch.randint(3, 320, (80,), generator=g).tolist()
-    suffixes = [torch.randint(3, 320, (n,), generator=g).tolist() for n in (1, 4, 9, 15)]
+    suffixes = [torch.randint(3, 320, (n,), generator=g).tolist() for n in (1, 4, 9, 24)]
 
     h = Harness(runner)
     h.prefill([prefix])
@@ -144,9 +148,9 @@ def test_cascade_decode_over_shared_prefix_matches_transformers(tmp_path, monkey
     h.rows, h.lens = rows, [len(s) for s in seqs]
     logits = out.next_token_logits
     decode_and_compare(h, hf, seqs, logits, steps=3)
-    # Both layers: the extend step (rows of 4, 9 and 15 tokens; the 1-token row is a decode
-    # row of its own) and every decode step.
-    assert len(calls) == 2 + 3 * 2
+    # Both layers, one group each: the extend step (rows of 1, 4, 9 and 24 tokens) and every
+    # decode step.
+    assert calls == [(4, 24)] * 2 + [(4, 1)] * 3 * 2
     assert len(starts) == 4 and all((st is not None) == consecutive for st in starts)
 
 

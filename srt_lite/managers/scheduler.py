@@ -179,6 +179,8 @@ class Scheduler:
             self.abort(msg.rid)
         elif isinstance(msg, FlushCacheReq):
             ok = not self.busy() and self.kv.flush()
+            if ok and self.drafter is not None:
+                self.drafter.reset()  # drafts from earlier requests' text are a cache too
             text = "" if ok else "cannot flush the cache while requests are running"
             self.send_to("send_to_tokenizer", FlushCacheReqOutput(ok, text))
         elif isinstance(msg, GetLoadReq):

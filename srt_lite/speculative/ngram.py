@@ -24,15 +24,19 @@ n-grams of a long document).
 
 How many tokens to draft is decided per request and step from a cost model: a draft token
 costs compute (more so with a long context, as attention then dominates), and pays off only
-if accepted, which happens with probability p^i for the i-th token, p being the request's
-recent acceptance rate. Draft tokens are nearly free for a lone request (its step is memory
-bound) and cost about a fifth of a request's step share in a batch of 16, so a request whose
-drafts keep failing stops drafting in a busy batch, and one caught in a loop drafts fully.
+if accepted. How likely that is depends mostly on where the match was found and how long it
+is (on the benchmark texts: a 4-token tail found in the request's own output is followed
+as before ~95% of the time, a 1-token tail found in the prompt almost never), so acceptance
+is learned server-wide per (source, tail length): the chance that the first draft token is
+accepted, and that each further one is once the previous ones were. Draft tokens are nearly
+free for a lone request (its step is memory bound) and cost about a fifth of a request's
+step share in a batch of 16, so in a busy batch only likely drafts are made.
 """
 
 from __future__ import annotations
 
-from typing import TYPE_CHECKING
+from functools import partial
+from typing import TYPE_CHECKING, Callable
 
 if TYPE_CHECKING:
     from srt_lite.managers.schedule_batch import Req
@@ -43,34 +47,47 @@ if TYPE_CHECKING:
 # draft token adds DRAFT_TOKEN + DRAFT_PER_CONTEXT * (its context length).
 STEP_BASE, STEP_PER_ROW = 35.0, 1.0
 DRAFT_TOKEN, DRAFT_PER_CONTEXT = 0.5, 0.0007
-# Acceptance estimate: counts decay by this factor per verify step (recent steps matter most).
-ACCEPT_DECAY = 0.7
-# A request that stopped drafting tries one draft token again after this many steps.
+# Acceptance estimates: counts decay by this factor per verified draft of their kind.
+ACCEPT_DECAY = 0.95
+# A kind of match not worth drafting is tried with one draft token every this many times,
+# so its estimate can recover when the text changes.
 PROBE_INTERVAL = 8
 # Entries of the cross-request table (about max_n per generated token, ~250 bytes each);
 # the oldest go first.
 SHARED_NGRAM_CAPACITY = 1 << 17
 
 
+class AcceptStats:
+    """Decayed acceptance counts of one kind of match: the first draft token, and each
+    further one given that the previous ones were accepted (prior: one hit, one miss)."""
+
+    def __init__(self):
+        self.first = [1.0, 2.0]  # [accepted, tried]
+        self.next = [1.0, 2.0]
+        self.skipped = 0  # times in a row it was not worth drafting
+
+    def rates(self) -> tuple[float, float]:
+        return self.first[0] / self.first[1], self.next[0] / self.next[1]
+
+    def observe(self, drafted: int, accepted: int) -> None:
+        # Token i (1-based) was tried when the i-1 before it were accepted.
+        later_tried = min(accepted + 1, drafted) - 1
+        for counts, hits, tried in ((self.first, min(accepted, 1), 1), (self.next, max(accepted - 1, 0), later_tried)):
+            counts[0] = counts[0] * ACCEPT_DECAY + hits
+            counts[1] = counts[1] * ACCEPT_DECAY + tried
+
+
 class NgramIndex:
     """Most recent end position of every n-gram (min_n <= n <= max_n) of one token list.
     Only ends before the current last position are indexed, so the current tail never
-    matches itself. Also keeps the request's draft acceptance record."""
+    matches itself."""
 
     def __init__(self, min_n: int, max_n: int):
         self.min_n, self.max_n = min_n, max_n
         self.ends: dict[tuple[int, ...], int] = {}  # n-gram -> index just after its latest occurrence
         self.indexed = 0  # ends 1..indexed are in `ends`
-        self.hits = self.misses = 0.0  # decayed counts of accepted and rejected draft tokens
-        self.idle_steps = 0  # steps since the last draft
         self.shared_indexed = 0  # output positions 0..shared_indexed-1 are in SharedNgramTable
-
-    def accept_rate(self) -> float:
-        return (self.hits + 1.0) / (self.hits + self.misses + 2.0)
-
-    def observe(self, drafted: int, accepted: int) -> None:
-        self.hits = self.hits * ACCEPT_DECAY + accepted
-        self.misses = self.misses * ACCEPT_DECAY + (accepted < drafted)
+        self.draft_kind: tuple[str, int] | None = None  # (source, tail length) of the last draft
 
     def extend(self, tokens: list[int]) -> None:
         """Indexes the n-grams of tokens (the same list, grown) not indexed yet."""
@@ -127,20 +144,25 @@ class SharedNgramTable:
         while len(self.ends) > self.capacity:
             del self.ends[next(iter(self.ends))]
 
-    def match(self, tail: tuple[int, ...], k: int, exclude: list[int]) -> list[int] | None:
-        """Up to k tokens that followed `tail` in another request's output (not `exclude`)."""
+    def match(self, tail: tuple[int, ...], exclude: list[int]) -> tuple[list[int], int] | None:
+        """(output list, index) where `tail` was last followed in another request's output
+        than `exclude`, whose tokens from that index on continue it (at least one)."""
         hit = self.ends.get(tail)
         if hit is None or hit[0] is exclude:
             return None
-        out, e = hit
-        return out[e : e + k]
+        return hit
 
 
 class NgramProposer:
     def __init__(self, num_draft_tokens: int, min_n: int, max_n: int):
         self.k = num_draft_tokens
         self.min_n, self.max_n = min_n, max_n
-        self.shared = SharedNgramTable(min_n, max_n)
+        self.reset()
+
+    def reset(self) -> None:
+        """Forgets other requests' text and the learned acceptance (flush_cache)."""
+        self.shared = SharedNgramTable(self.min_n, self.max_n)
+        self.stats: dict[tuple[str, int], AcceptStats] = {}  # by (source, tail length)
 
     @staticmethod
     def eligible(req: "Req") -> bool:
@@ -163,18 +185,25 @@ class NgramProposer:
             req.ngram_index = NgramIndex(self.min_n, self.max_n)
         index = req.ngram_index
         self.shared.add(req, index)
-        k = min(self.num_worth_drafting(index.accept_rate(), req.seq_len, batch_size), room)
+        match = self.find(req, index)
+        if match is None:
+            return []
+        kind, take = match
+        stats = self.stats.setdefault(kind, AcceptStats())
+        k = min(self.num_worth_drafting(*stats.rates(), req.seq_len, batch_size), room)
         if k == 0:
-            index.idle_steps += 1
-            if index.idle_steps < PROBE_INTERVAL:
+            stats.skipped += 1
+            if stats.skipped < PROBE_INTERVAL:
                 return []
-            k = 1  # probe: the text may have turned repetitive
-        index.idle_steps = 0
-        return self.draft(req, index, k)
+            k = 1  # probe: this kind of match may have become reliable
+        stats.skipped = 0
+        index.draft_kind = kind
+        return take(k)
 
-    def draft(self, req: "Req", index: NgramIndex, k: int) -> list[int]:
-        """Up to k tokens after the longest tail of req that occurred before: in its own
-        generated text, else in another request's, else in its prompt."""
+    def find(self, req: "Req", index: NgramIndex) -> tuple[tuple[str, int], Callable[[int], list[int]]] | None:
+        """The longest tail of req that occurred before: in its own generated text, else in
+        another request's, else in its prompt. Returns (source, tail length) and a function
+        giving the k tokens that followed it."""
         tokens = req.fill_ids
         index.extend(tokens)
         L, prompt_len = len(tokens), len(req.origin_input_ids)
@@ -182,28 +211,28 @@ class NgramProposer:
             tail = tuple(tokens[L - n :])
             start = index.ends.get(tail)
             if start is not None and start >= prompt_len:
-                return copy_from(tokens, start, k)
-            shared = self.shared.match(tail, k, exclude=req.output_ids)
-            if shared:
-                return shared
+                return ("output", n), partial(copy_from, tokens, start)
+            hit = self.shared.match(tail, exclude=req.output_ids)
+            if hit is not None:
+                out, e = hit
+                return ("shared", n), lambda k: out[e : e + k]
             if start is not None:
-                return copy_from(tokens, start, k)
-        return []
+                return ("prompt", n), partial(copy_from, tokens, start)
+        return None
 
-    def num_worth_drafting(self, p: float, context: int, batch_size: int) -> int:
-        """The most draft tokens whose chance of acceptance (p^i for the i-th) still beats
-        its cost relative to one token's share of the step."""
+    def num_worth_drafting(self, p_first: float, p_next: float, context: int, batch_size: int) -> int:
+        """The most draft tokens whose chance of acceptance (p_first * p_next^(i-1) for the
+        i-th) still beats its cost relative to one token's share of the step."""
         share = (STEP_BASE + STEP_PER_ROW * batch_size) / batch_size
         threshold = (DRAFT_TOKEN + DRAFT_PER_CONTEXT * context) / share
-        k, chance = 0, p
+        k, chance = 0, p_first
         while k < self.k and chance >= threshold:
-            k, chance = k + 1, chance * p
+            k, chance = k + 1, chance * p_next
         return k
 
-    @staticmethod
-    def observe(req: "Req", accepted: int) -> None:
+    def observe(self, req: "Req", accepted: int) -> None:
         """After verifying req's draft: `accepted` of its draft tokens matched."""
-        req.ngram_index.observe(len(req.draft_ids), accepted)
+        self.stats[req.ngram_index.draft_kind].observe(len(req.draft_ids), accepted)
 
 
 def accept_greedy(draft: list[int], targets: list[int]) -> list[int]:

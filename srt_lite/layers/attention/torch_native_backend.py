@@ -65,6 +65,8 @@ class AttnGroup:
 CASCADE_MIN_PREFIX = 64
 # Rows with at most this many new tokens (and a prefix) are verify rows, attended folded.
 VERIFY_MAX_Q = 16
+# Rows with at most this many new tokens over a shared prefix join a cascade group.
+CASCADE_MAX_Q = 32
 
 
 class TorchNativeAttnBackend(AttentionBackend):
@@ -79,44 +81,62 @@ class TorchNativeAttnBackend(AttentionBackend):
                 return 0  # decode
             return 1 if ext[b] <= VERIFY_MAX_Q and prefix[b] > 0 else 2  # verify, extend
 
-        kinds = [kind(b) for b in range(fb.batch_size)]
-        parts = [[b for b in range(fb.batch_size) if kinds[b] == k] for k in range(3)]
-        parts = [rows for rows in parts if rows]
-        if len(parts) == 1:
-            fb.attn_metadata = [self._group(fb, parts[0], None)]
-            return
+        parts: list[tuple[list[int], AttnGroup | None]] = []
+        # Short rows over one shared prefix (decode and verify rows, a new prompt on a cached
+        # prefix) go together: one cascade group reads the prefix once for all their queries.
+        short = [b for b in range(fb.batch_size) if ext[b] <= CASCADE_MAX_Q and prefix[b] > 0]
+        rest = list(range(fb.batch_size))
+        if len(short) > 1 and len(set(kind(b) for b in short)) > 1:
+            cascade = self._group(fb, short, cascade_only=True)
+            if cascade is not None:
+                parts.append((short, cascade))
+                rest = [b for b in rest if b not in set(short)]
+        kinds = [kind(b) for b in rest]
+        parts += [(rows, None) for k in range(3) if (rows := [b for b, kb in zip(rest, kinds) if kb == k])]
         starts = [0, *itertools.accumulate(ext)]
         groups = []
-        for rows in parts:
-            tok = [t for b in rows for t in range(starts[b], starts[b + 1])]
-            groups.append(self._group(fb, rows, torch.tensor(tok, dtype=torch.int64, device=self.device)))
+        for rows, group in parts:
+            group = group or self._group(fb, rows)
+            if len(parts) > 1:
+                tok = [t for b in rows for t in range(starts[b], starts[b + 1])]
+                group.tok_idx = torch.tensor(tok, dtype=torch.int64, device=self.device)
+            groups.append(group)
         fb.attn_metadata = groups
 
-    def _group(self, fb: "ForwardBatch", rows: list[int], tok_idx: torch.Tensor | None) -> AttnGroup:
+    def _group(self, fb: "ForwardBatch", rows: list[int], cascade_only: bool = False) -> AttnGroup | None:
+        """The group of these rows (ascending), tok_idx left None (all tokens) for the caller
+        to set. With cascade_only, None unless they share a prefix worth a cascade and
+        padding every row to the longest one wastes little."""
         ext = [fb.extend_seq_lens_cpu[b] for b in rows]
         prefix = [fb.extend_prefix_lens_cpu[b] for b in rows]
         seq_lens = [p + e for p, e in zip(prefix, ext)]
         B, max_k, max_q = len(rows), max(seq_lens), max(ext)
-        pool_rows = fb.req_pool_indices if tok_idx is None else fb.req_pool_indices[rows]
+        pool_rows = fb.req_pool_indices if B == fb.batch_size else fb.req_pool_indices[rows]
         slots = fb.req_to_token_pool.req_to_token[pool_rows, :max_k].to(torch.int64)
         key_pos = torch.arange(max_k, device=self.device)  # [Lk]
         seq = torch.tensor(seq_lens, device=self.device).unsqueeze(1)  # [B, 1]
         key_valid = key_pos.unsqueeze(0) < seq  # [B, Lk]
         kv_index = slots.masked_fill(~key_valid, 0)
         # Cascade needs rows whose shared slots are all before their new tokens.
-        shared = self._shared_prefix_len(slots, min(prefix)) if B > 1 and max_q <= VERIFY_MAX_Q else 0
+        shared = self._shared_prefix_len(slots, min(prefix)) if B > 1 and max_q <= CASCADE_MAX_Q else 0
+        if cascade_only:
+            # Suffix queries are padded to the longest row; the prefix part is not padded.
+            padded = B * max_q * (max_k - shared)
+            useful = sum(e * (k - shared) for e, k in zip(ext, seq_lens)) + shared * sum(ext)
+            if shared < CASCADE_MIN_PREFIX or padded > useful:
+                return None
         if max_q == 1:
             if shared >= CASCADE_MIN_PREFIX:
                 return AttnGroup(
-                    tok_idx, kv_index[:, shared:], key_valid[:, None, None, shared:], None, None, 1,
+                    None, kv_index[:, shared:], key_valid[:, None, None, shared:], None, None, 1,
                     folded=True, **_prefix(kv_index[0, :shared]),
                 )
             # Decode: the only constraint is the sequence length (none for a single row).
             mask = key_valid[:, None, None, :] if B > 1 else None
-            return AttnGroup(tok_idx, kv_index, mask, None, None, 1)
+            return AttnGroup(None, kv_index, mask, None, None, 1)
         if B == 1 and prefix[0] == 0:
             # A single fresh prompt: plain causal attention, no mask tensor needed.
-            return AttnGroup(tok_idx, kv_index, None, None, None, max_q, causal=True)
+            return AttnGroup(None, kv_index, None, None, None, max_q, causal=True)
         ext_t = torch.tensor(ext, device=self.device)
         prefix_t = torch.tensor(prefix, device=self.device)
         q_rows = torch.repeat_interleave(torch.arange(B, device=self.device), ext_t)
@@ -126,18 +146,16 @@ class TorchNativeAttnBackend(AttentionBackend):
         q_abs = prefix_t[:, None] + q_idx[None, :]  # [B, Lq] absolute position
         mask = (key_pos[None, None, :] <= q_abs[:, :, None]) & key_valid[:, None, :]
         q_pad = q_idx[None, :] >= ext_t[:, None]  # [B, Lq]
-        if max_q > VERIFY_MAX_Q:
-            shared = 0
-        elif shared < CASCADE_MIN_PREFIX:
+        if shared < CASCADE_MIN_PREFIX:
             shared = 0
         # Padded query rows attend to one real key only, so softmax never sees an empty row.
         mask[:, :, shared] |= q_pad
         if B == 1:
             q_rows = q_cols = None  # one row, no padding: a view is enough
-        if max_q > VERIFY_MAX_Q:
-            return AttnGroup(tok_idx, kv_index, mask.unsqueeze(1), q_rows, q_cols, max_q)
+        if max_q > VERIFY_MAX_Q and not shared:
+            return AttnGroup(None, kv_index, mask.unsqueeze(1), q_rows, q_cols, max_q)
         return AttnGroup(
-            tok_idx, kv_index[:, shared:], mask[:, None, :, shared:], q_rows, q_cols, max_q, folded=True,
+            None, kv_index[:, shared:], mask[:, None, :, shared:], q_rows, q_cols, max_q, folded=True,
             **(_prefix(kv_index[0, :shared]) if shared else {}),
         )
 
@@ -206,10 +224,11 @@ class TorchNativeAttnBackend(AttentionBackend):
     def _attend_folded(
         q: torch.Tensor, k_buf: torch.Tensor, v_buf: torch.Tensor, g: AttnGroup, layer: "RadixAttention"
     ) -> torch.Tensor:
-        """Decode or verify rows, q [Tg, H * D] -> [Tg, H * D]. The G query heads of each KV
-        head and the Lq tokens of a row become G * Lq query rows, so no GQA expansion is
-        needed. With a shared prefix (cascade), every query of the group attends to it in
-        one call, each row to its own suffix in another, and the two are merged by LSE."""
+        """Decode, verify or short extend rows, q [Tg, H * D] -> [Tg, H * D]. The G query
+        heads of each KV head and the Lq tokens of a row become G * Lq query rows, so no GQA
+        expansion is needed. With a shared prefix (cascade), all the group's queries attend
+        to it in one call, unpadded, each row to its own suffix in another, and the two are
+        merged by their log-sum-exp."""
         T = q.shape[0]
         H, Hkv, D = layer.num_heads, layer.num_kv_heads, layer.head_dim
         G, Lq = H // Hkv, g.max_q
@@ -225,29 +244,33 @@ class TorchNativeAttnBackend(AttentionBackend):
         v_suf = v_buf.index_select(0, flat).view(B, ls, Hkv, D).transpose(1, 2).to(q.dtype)
         o_suf, lse_suf = flash(qf, k_suf, v_suf, attn_mask=g.bias, scale=layer.scaling)  # [B, Hkv, G * Lq, D]
         if g.prefix_index is None:
-            out = o_suf
-        else:
-            # Prefix: one sequence whose B * G * Lq queries per KV head all see every prefix token.
-            lp = g.prefix_index.shape[0]
-            if g.prefix_start is not None:
-                k_pre, v_pre = k_buf[g.prefix_start : g.prefix_start + lp], v_buf[g.prefix_start : g.prefix_start + lp]
-            else:
-                k_pre, v_pre = k_buf.index_select(0, g.prefix_index), v_buf.index_select(0, g.prefix_index)
-            k_pre = k_pre.view(1, lp, Hkv, D).transpose(1, 2)  # [1, Hkv, Lp, D]
-            v_pre = v_pre.view(1, lp, Hkv, D).transpose(1, 2)
-            q_pre = qf.transpose(0, 1).reshape(1, Hkv, B * G * Lq, D)
-            o_pre, lse_pre = flash(q_pre, k_pre.to(q.dtype), v_pre.to(q.dtype), scale=layer.scaling)
-            o_pre = o_pre.view(Hkv, B, G * Lq, D).transpose(0, 1)  # [B, Hkv, G * Lq, D]
-            lse_pre = lse_pre.view(Hkv, B, G * Lq).transpose(0, 1)  # [B, Hkv, G * Lq]
-            # Merge: softmax over the union = the parts weighted by their shares of the total mass.
-            m = torch.maximum(lse_pre, lse_suf)
-            w_pre = torch.exp(lse_pre - m).unsqueeze(-1)
-            w_suf = torch.exp(lse_suf - m).unsqueeze(-1)
-            out = ((o_pre.float() * w_pre + o_suf.float() * w_suf) / (w_pre + w_suf)).to(q.dtype)
-        out = out.view(B, Hkv, G, Lq, D).permute(0, 3, 1, 2, 4).reshape(B, Lq, H * D)
+            out = o_suf.view(B, Hkv, G, Lq, D).permute(0, 3, 1, 2, 4).reshape(B, Lq, H * D)
+            if g.q_rows is not None:
+                return out[g.q_rows, g.q_cols]
+            return out.reshape(T, H * D)
+        # Back to token order: [Tg, Hkv, G, D] and [Tg, Hkv, G].
+        o_suf = o_suf.view(B, Hkv, G, Lq, D).permute(0, 3, 1, 2, 4)
+        lse_suf = lse_suf.view(B, Hkv, G, Lq).permute(0, 3, 1, 2)
         if g.q_rows is not None:
-            return out[g.q_rows, g.q_cols]
-        return out.reshape(T, H * D)
+            o_suf, lse_suf = o_suf[g.q_rows, g.q_cols], lse_suf[g.q_rows, g.q_cols]
+        else:
+            o_suf, lse_suf = o_suf.reshape(T, Hkv, G, D), lse_suf.reshape(T, Hkv, G)
+        # Prefix: one sequence whose Tg * G queries per KV head all see every prefix token.
+        lp = g.prefix_index.shape[0]
+        if g.prefix_start is not None:
+            k_pre, v_pre = k_buf[g.prefix_start : g.prefix_start + lp], v_buf[g.prefix_start : g.prefix_start + lp]
+        else:
+            k_pre, v_pre = k_buf.index_select(0, g.prefix_index), v_buf.index_select(0, g.prefix_index)
+        k_pre = k_pre.view(1, lp, Hkv, D).transpose(1, 2)  # [1, Hkv, Lp, D]
+        v_pre = v_pre.view(1, lp, Hkv, D).transpose(1, 2)
+        q_pre = q.view(T, Hkv, G, D).transpose(0, 1).reshape(1, Hkv, T * G, D)
+        o_pre, lse_pre = flash(q_pre, k_pre.to(q.dtype), v_pre.to(q.dtype), scale=layer.scaling)
+        o_pre = o_pre.view(Hkv, T, G, D).transpose(0, 1)  # [Tg, Hkv, G, D]
+        lse_pre = lse_pre.view(Hkv, T, G).transpose(0, 1)  # [Tg, Hkv, G]
+        # Softmax over the union = the parts weighted by their shares of the total mass:
+        # the prefix's share is sigmoid(lse_pre - lse_suf).
+        w_pre = torch.sigmoid(lse_pre - lse_suf).unsqueeze(-1).to(q.dtype)
+        return torch.lerp(o_suf, o_pre, w_pre).reshape(T, H * D)
 
 
 def _prefix(index: torch.Tensor) -> dict:
