@@ -5,8 +5,10 @@ whatever ends a request and whatever else shares its batch, without leaking KV."
 from __future__ import annotations
 
 import re
+import sys
 import threading
 import time
+from pathlib import Path
 
 import httpx
 import orjson
@@ -166,6 +168,23 @@ def test_shared_table_is_bounded_and_never_drafts_a_request_from_itself():
     assert table.match((6,), exclude=r.output_ids) is None
     table.add(r, index)  # nothing new: indexing is incremental
     assert index.shared_indexed == 5
+
+
+def test_replay_tool_measures_drafting_without_the_model():
+    """benchmarks/replay_drafts.py: looping outputs yield several tokens per row and step, a
+    request asked again after another yields its whole output in a few steps, and text that
+    never repeats yields one token per step."""
+    sys.path.insert(0, str(Path(__file__).resolve().parent.parent / "benchmarks"))
+    from replay_drafts import replay
+
+    loop = ([1, 2, 3], [4, 5, 6] * 10)
+    r = replay([loop], concurrency=1, proposer=NgramProposer(8, 1, 4))
+    assert r["tokens_per_row_step"] > 3 and r["accepted"] <= r["drafted"]
+    fresh = ([7, 8], list(range(100, 130)))
+    alone = replay([fresh], concurrency=1, proposer=NgramProposer(8, 1, 4))
+    assert alone["tokens_per_row_step"] == 1.0 and alone["accepted"] == 0
+    again = replay([fresh, fresh], concurrency=1, proposer=NgramProposer(8, 1, 4))
+    assert again["row_steps"] <= alone["row_steps"] + 5
 
 
 # ---- engine -----------------------------------------------------------------------------

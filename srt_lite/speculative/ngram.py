@@ -35,6 +35,7 @@ step share in a batch of 16, so in a busy batch only likely drafts are made.
 
 from __future__ import annotations
 
+from collections import OrderedDict
 from functools import partial
 from typing import TYPE_CHECKING, Callable
 
@@ -126,7 +127,9 @@ class SharedNgramTable:
 
     def __init__(self, min_n: int, max_n: int, capacity: int = SHARED_NGRAM_CAPACITY):
         self.min_n, self.max_n, self.capacity = min_n, max_n, capacity
-        self.ends: dict[tuple[int, ...], tuple[list[int], int]] = {}
+        # OrderedDict, not dict: evicting a plain dict's first entry scans the deleted
+        # entries before it (quadratic under steady churn: 94 s for 600k writes).
+        self.ends: OrderedDict[tuple[int, ...], tuple[list[int], int]] = OrderedDict()
 
     def add(self, req: "Req", index: NgramIndex) -> None:
         """Indexes req's n-grams that end at an output position with a token after it."""
@@ -138,11 +141,11 @@ class SharedNgramTable:
         for e in range(index.shared_indexed, len(out)):
             for n in range(self.min_n, min(self.max_n, h + e) + 1):
                 key = tuple(seq[h + e - n : h + e])
-                self.ends.pop(key, None)  # re-insert at the end: the newest entry lives longest
                 self.ends[key] = (out, e)
+                self.ends.move_to_end(key)  # the newest entry lives longest
         index.shared_indexed = len(out)
         while len(self.ends) > self.capacity:
-            del self.ends[next(iter(self.ends))]
+            self.ends.popitem(last=False)
 
     def match(self, tail: tuple[int, ...], exclude: list[int]) -> tuple[list[int], int] | None:
         """(output list, index) where `tail` was last followed in another request's output
