@@ -110,20 +110,23 @@ def test_qwen3_q_k_norm_weights_are_used(tmp_path):
     assert (before - after).abs().max().item() > 1e-3
 
 
-@pytest.mark.parametrize("consecutive", [True, False])
-def test_cascade_decode_over_shared_prefix_matches_transformers(tmp_path, monkeypatch, consecutive):
+@pytest.mark.parametrize("consecutive,token_suffix", [(True, True), (False, True), (True, False)])
+def test_cascade_decode_over_shared_prefix_matches_transformers(tmp_path, monkeypatch, consecutive, token_suffix):
     """Rows that share their first 80 KV slots (a radix hit) take the cascade path (shared
     prefix once + own suffixes, merged by log-sum-exp): in the extend step a decode row,
     verify rows (as in speculative decoding) and a 24-token prompt on the cached prefix, all
     in one group, then the decode steps; logits still match HF. The prefix is read as a view
-    of the pool when its slots are consecutive, else gathered."""
+    of the pool when its slots are consecutive, else gathered; the suffixes are attended as
+    one masked sequence, or (when that would cost more) row by row, padded."""
     from srt_lite.layers.attention import torch_native_backend as tnb
 
+    if not token_suffix:
+        monkeypatch.setattr(tnb, "TOKEN_SUFFIX_GAIN", 0)
     calls, starts = [], []
     original = tnb.TorchNativeAttnBackend._attend_folded
     monkeypatch.setattr(
         tnb.TorchNativeAttnBackend, "_attend_folded",
-        staticmethod(lambda *a: calls.append((a[3].kv_index.shape[0], a[3].max_q)) or original(*a)),
+        staticmethod(lambda *a: calls.append((a[0].shape[0], a[3].token_suffix)) or original(*a)),
     )
     original_prefix = tnb._prefix
     monkeypatch.setattr(tnb, "_prefix", lambda index: starts.append(original_prefix(index)["prefix_start"]) or original_prefix(index))
@@ -148,9 +151,9 @@ def test_cascade_decode_over_shared_prefix_matches_transformers(tmp_path, monkey
     h.rows, h.lens = rows, [len(s) for s in seqs]
     logits = out.next_token_logits
     decode_and_compare(h, hf, seqs, logits, steps=3)
-    # Both layers, one group each: the extend step (rows of 1, 4, 9 and 24 tokens) and every
-    # decode step.
-    assert calls == [(4, 24)] * 2 + [(4, 1)] * 3 * 2
+    # Both layers, one group each: the extend step (rows of 1, 4, 9 and 24 tokens: 38 queries)
+    # and every decode step (4 queries).
+    assert calls == [(38, token_suffix)] * 2 + [(4, token_suffix)] * 3 * 2
     assert len(starts) == 4 and all((st is not None) == consecutive for st in starts)
 
 
