@@ -99,6 +99,21 @@ def test_tiny_model_matches_transformers(kind, tmp_path):
     assert (tail - ref).abs().max().item() < 1e-4
 
 
+def test_warmup_runs_prefill_decode_verify_and_a_full_chunk_then_frees_its_kv(tmp_path, monkeypatch):
+    path = make_tiny_model("llama", tmp_path / "llama")
+    runner = ModelRunner(ModelConfig.load(path), ServerArgs(dtype="float32", max_total_tokens=2048))
+    shapes = []
+    forward = runner.forward
+    monkeypatch.setattr(runner, "forward", lambda fb: shapes.append(fb.extend_seq_lens_cpu) or forward(fb))
+    free, rows = runner.token_to_kv_pool.available_size(), runner.req_to_token_pool.available_size()
+    runner.warmup(max_batch=4, max_verify=3, prefill_tokens=200)
+    assert shapes == [[8] * 4, [1], [1] * 2, [1] * 4, [2], [3], [200]]
+    assert runner.token_to_kv_pool.available_size() == free and runner.req_to_token_pool.available_size() == rows
+    shapes.clear()
+    runner.warmup(max_batch=4, max_verify=3, prefill_tokens=1500)  # longer than the context: skipped
+    assert shapes == [[8] * 4, [1], [1] * 2, [1] * 4, [2], [3]]
+
+
 def test_qwen3_q_k_norm_weights_are_used(tmp_path):
     """Guards the test above: zeroing q_norm changes our logits (the norm is not ignored)."""
     path = make_tiny_model("qwen3", tmp_path / "q3")

@@ -143,20 +143,24 @@ class ModelRunner:
     # and torch.compile guards on that (an inference tensor input would compile the graphs
     # again for the first real batches).
     @torch.no_grad()
-    def warmup(self, max_batch: int, max_verify: int = 1) -> None:
+    def warmup(self, max_batch: int, max_verify: int = 1, prefill_tokens: int = 0) -> None:
         """Dummy forwards before serving: a prefill, then decode steps at batch sizes up to
-        `max_batch`, and (speculative decoding) one request verifying 2..max_verify tokens,
-        so the first requests do not pay for kernel set-up (oneDNN creates a primitive per
-        new shape) and allocator growth. Uses scratch KV that it frees."""
+        `max_batch`, (speculative decoding) one request verifying 2..max_verify tokens, and
+        one prompt of `prefill_tokens` (a full prefill chunk: its first use cost ~100 ms more
+        on the CPU), so the first requests do not pay for kernel set-up (oneDNN creates a
+        primitive per new shape) and allocator growth. Uses scratch KV that it frees."""
         sizes = [b for b in (1, 2, 4, 8, 16, 32) if b <= max_batch] or [1]
         prompt = 8
         width = prompt + max(max_verify, 1)  # KV slots per scratch request
         need = sizes[-1] * width
         if need > self.max_total_num_tokens or sizes[-1] > self.req_to_token_pool.available_size():
             return  # a tiny test cache: nothing worth warming
-        rows = [self.req_to_token_pool.alloc() for _ in range(sizes[-1])]
-        slots = self.token_to_kv_pool.alloc(need)
         r2t = self.req_to_token_pool.req_to_token
+        # A long prompt (last) runs over all the scratch slots if the cache and context allow.
+        fits = prefill_tokens <= min(self.max_total_num_tokens // 2, r2t.shape[1])
+        long_prompt = prefill_tokens if prompt < prefill_tokens and fits else 0
+        rows = [self.req_to_token_pool.alloc() for _ in range(sizes[-1])]
+        slots = self.token_to_kv_pool.alloc(max(need, long_prompt))
         for i, row in enumerate(rows):
             r2t[row, :width] = slots[i * width : (i + 1) * width].to(r2t.dtype)
 
@@ -170,8 +174,12 @@ class ModelRunner:
         t0 = time.perf_counter()
         steps = [(sizes[-1], 0, prompt)] + [(b, prompt, 1) for b in sizes]
         steps += [(1, prompt, n) for n in range(2, max_verify + 1)]
-        for args in progress(steps, len(steps), "Warming up", enabled=self.tp_rank == 0):
-            step(*args)
+        if long_prompt:
+            steps.append((1, 0, long_prompt))
+        for batch, prefix, new in progress(steps, len(steps), "Warming up", enabled=self.tp_rank == 0):
+            if new == long_prompt:
+                r2t[rows[0], :long_prompt] = slots[:long_prompt].to(r2t.dtype)
+            step(batch, prefix, new)
         self.token_to_kv_pool.free(slots)
         for row in rows:
             self.req_to_token_pool.free(row)
