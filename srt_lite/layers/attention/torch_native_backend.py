@@ -14,12 +14,12 @@ The ragged batch is split into up to three groups, each attended with one SDPA c
 Keeping them apart matters for mixed batches: padding 16 decode rows to a 500-token chunk
 would multiply the attention work by the chunk length.
 
-Decode and verify rows that share a long prefix (a radix-cache hit: the same KV slots at the
-start of every row, e.g. a common system prompt or the n choices of one prompt) use cascade
-attention, FlashInfer's idea: all their queries attend to the shared prefix once, as one
-sequence, each row attends to its own suffix, and the two partial results are merged with
-their log-sum-exp weights. The prefix KV is then gathered and read once per layer instead of
-once per row.
+Short rows that share a long prefix (a radix-cache hit: the same KV slots at the start of
+every row, e.g. a common system prompt or the n choices of one prompt) form one group, whatever
+their kind, with cascade attention, FlashInfer's idea: all their queries attend to the shared
+prefix once, as one sequence, the rows' suffixes are attended apart (row by row, or as one
+masked sequence), and the two partial results are merged with their log-sum-exp weights. The
+prefix KV is then read once per layer instead of once per row.
 """
 
 from __future__ import annotations
