@@ -161,12 +161,12 @@ def test_shared_table_is_bounded_and_never_drafts_a_request_from_itself():
     index = NgramIndex(1, 2)
     r = Req("r", [1, 2], SamplingParams(max_new_tokens=50, temperature=0))
     r.output_ids = [3, 4, 5, 6, 7]
-    table.add(r, index)
+    table.add(r, index, r.fill_ids)
     assert len(table.ends) <= 6
     assert table.match((6,), exclude=[]) == (r.output_ids, 4)  # the newest n-grams stay
     assert table.match((1, 2), exclude=[]) is None  # the oldest went first
     assert table.match((6,), exclude=r.output_ids) is None
-    table.add(r, index)  # nothing new: indexing is incremental
+    table.add(r, index, r.fill_ids)  # nothing new: indexing is incremental
     assert index.shared_indexed == 5
 
 

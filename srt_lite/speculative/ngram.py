@@ -131,16 +131,16 @@ class SharedNgramTable:
         # entries before it (quadratic under steady churn: 94 s for 600k writes).
         self.ends: OrderedDict[tuple[int, ...], tuple[list[int], int]] = OrderedDict()
 
-    def add(self, req: "Req", index: NgramIndex) -> None:
-        """Indexes req's n-grams that end at an output position with a token after it."""
+    def add(self, req: "Req", index: NgramIndex, tokens: list[int]) -> None:
+        """Indexes req's n-grams that end at an output position with a token after it;
+        tokens is req.fill_ids (prompt then output)."""
         out = req.output_ids
         if index.shared_indexed >= len(out):
             return
-        head = req.origin_input_ids[-self.max_n :]
-        seq, h = head + out, len(head)  # output position e is seq[h + e]
+        h = len(req.origin_input_ids)  # output position e is tokens[h + e]
         for e in range(index.shared_indexed, len(out)):
             for n in range(self.min_n, min(self.max_n, h + e) + 1):
-                key = tuple(seq[h + e - n : h + e])
+                key = tuple(tokens[h + e - n : h + e])
                 self.ends[key] = (out, e)
                 self.ends.move_to_end(key)  # the newest entry lives longest
         index.shared_indexed = len(out)
@@ -187,8 +187,9 @@ class NgramProposer:
         if req.ngram_index is None:
             req.ngram_index = NgramIndex(self.min_n, self.max_n)
         index = req.ngram_index
-        self.shared.add(req, index)
-        match = self.find(req, index)
+        tokens = req.fill_ids  # one concatenation per step, for both indexes
+        self.shared.add(req, index, tokens)
+        match = self.find(req, index, tokens)
         if match is None:
             return []
         kind, take = match
@@ -203,11 +204,12 @@ class NgramProposer:
         index.draft_kind = kind
         return take(k)
 
-    def find(self, req: "Req", index: NgramIndex) -> tuple[tuple[str, int], Callable[[int], list[int]]] | None:
-        """The longest tail of req that occurred before: in its own generated text, else in
-        another request's, else in its prompt. Returns (source, tail length) and a function
-        giving the k tokens that followed it."""
-        tokens = req.fill_ids
+    def find(
+        self, req: "Req", index: NgramIndex, tokens: list[int]
+    ) -> tuple[tuple[str, int], Callable[[int], list[int]]] | None:
+        """The longest tail of req (tokens: its fill_ids) that occurred before: in its own
+        generated text, else in another request's, else in its prompt. Returns (source, tail
+        length) and a function giving the k tokens that followed it."""
         index.extend(tokens)
         L, prompt_len = len(tokens), len(req.origin_input_ids)
         for n in range(min(self.max_n, L - 1), self.min_n - 1, -1):
