@@ -8,7 +8,14 @@ import torch
 
 from srt_lite.managers.schedule_batch import Req
 from srt_lite.sampling.penalties import apply_penalties
-from srt_lite.sampling.sampler import LogprobRequest, Sampler, top_k_top_p_candidates, top_k_top_p_filter
+from srt_lite.sampling.sampler import (
+    ARGMAX_BLOCK,
+    LogprobRequest,
+    Sampler,
+    greedy_argmax,
+    top_k_top_p_candidates,
+    top_k_top_p_filter,
+)
 from srt_lite.sampling.sampling_batch_info import SamplingBatchInfo
 from srt_lite.sampling.sampling_params import SamplingParams
 
@@ -121,10 +128,33 @@ def test_penalty_counts_are_incremental_and_follow_filter_merge():
     c = make_req(2, output_ids=[9], presence_penalty=1.0, logit_bias={"7": 5.0})
     other = SamplingBatchInfo.from_reqs([c], V, "cpu", set())
     info.merge(other)
-    assert info.batch_size == 3 and info.logit_bias[2, 7] == 5.0 and info.logit_bias[0].abs().sum() == 0
+    assert info.batch_size == 3 and info.logit_bias == [None, None, ([7], [5.0])]
     info.filter([2, 0])
     assert info.output_counts[0, 9] == 1 and info.output_counts[1, 1] == 3
     assert info.pres_penalties[0, 0] == 1.0 and info.freq_penalties[1, 0] == 0.5
+    assert info.logit_bias == [([7], [5.0]), None]
+    rows, ids, vals = info.repeat_rows([1, 3]).logit_bias_index()
+    assert rows.tolist() == [0] and ids.tolist() == [7] and vals.tolist() == [5.0]
+    rows, ids, vals = info.repeat_rows([2, 1]).logit_bias_index()
+    assert rows.tolist() == [0, 1] and ids.tolist() == [7, 7]
+    info.filter([1])
+    assert info.logit_bias is None
+
+
+def test_greedy_argmax_equals_argmax_with_ties_and_a_short_last_block():
+    g = torch.Generator().manual_seed(0)
+    for rows, vocab in [(1, 49152), (7, 5000), (33, 49152), (4, ARGMAX_BLOCK * 4 + 1)]:
+        # bf16-rounded values: many exact ties between blocks and within one.
+        x = torch.randn(rows, vocab, generator=g).bfloat16().float()
+        assert torch.equal(greedy_argmax(x), x.argmax(-1))
+    x = torch.zeros(6, 5000)
+    x[1, [10, 3000]] = 1.0  # tie across blocks: the first
+    x[2, 4999] = 2.0  # in the short last block, at its last column
+    x[3, [ARGMAX_BLOCK - 1, ARGMAX_BLOCK]] = 7.0  # tie at a block boundary
+    x[4] = float("-inf")
+    x[5, 4100:] = 3.0  # a tie filling the short last block
+    assert greedy_argmax(x).tolist() == x.argmax(-1).tolist() == [0, 10, 4999, ARGMAX_BLOCK - 1, 0, 4100]
+    assert greedy_argmax(x[:, ::2]).tolist() == x[:, ::2].argmax(-1).tolist()  # strided: plain argmax
 
 
 def test_logit_bias_forces_and_forbids_without_touching_others():

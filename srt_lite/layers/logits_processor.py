@@ -25,11 +25,11 @@ class LogitsProcessor(nn.Module):
         self, hidden: torch.Tensor, lm_head: "ParallelLMHead", fb: "ForwardBatch"
     ) -> LogitsProcessorOutput:
         if fb.forward_mode.is_decode():
-            return LogitsProcessorOutput(lm_head.compute_logits(hidden).float())
+            return LogitsProcessorOutput(lm_head.compute_logits(hidden))
         index = fb.logit_index
         if index is None:
             index = torch.tensor(fb.extend_seq_lens_cpu, device=hidden.device).cumsum(0) - 1
         if fb.return_all_logits:
-            all_logits = lm_head.compute_logits(hidden).float()
+            all_logits = lm_head.compute_logits(hidden)
             return LogitsProcessorOutput(all_logits[index], all_logits)
-        return LogitsProcessorOutput(lm_head.compute_logits(hidden[index]).float())
+        return LogitsProcessorOutput(lm_head.compute_logits(hidden[index]))

@@ -10,7 +10,8 @@ from srt_lite.sampling.sampling_batch_info import SamplingBatchInfo
 def apply_logit_adjustments(logits: torch.Tensor, info: SamplingBatchInfo) -> torch.Tensor:
     """logits [B, V] float32, modified in place and returned."""
     if info.logit_bias is not None:
-        logits += info.logit_bias
+        rows, ids, vals = info.logit_bias_index()
+        logits.index_put_((rows, ids), vals, accumulate=True)
     if info.min_tokens_left is not None:
         active = (info.min_tokens_left > 0).unsqueeze(1) & info.min_tokens_ban
         logits.masked_fill_(active, float("-inf"))

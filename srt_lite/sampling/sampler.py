@@ -50,7 +50,7 @@ class Sampler:
             # On a copy: the caller's logits (and raw_logprobs' source) stay untouched.
             logits = apply_logit_adjustments(logits.clone(), info)
         if info.all_greedy:
-            next_ids = logits.argmax(-1)
+            next_ids = greedy_argmax(logits)
         else:
             next_ids = self._sample(logits, info)
         out = SampleOutput(next_ids)
@@ -59,7 +59,7 @@ class Sampler:
         return out
 
     def _sample(self, logits: torch.Tensor, info: SamplingBatchInfo) -> torch.Tensor:
-        greedy_ids = logits.argmax(-1)
+        greedy_ids = greedy_argmax(logits)
         probs = torch.softmax(logits / info.temperatures, dim=-1)
         if info.need_min_p:
             top = probs.max(dim=-1, keepdim=True).values
@@ -103,6 +103,32 @@ class Sampler:
                     q[j] = torch.rand(probs.shape[1], generator=gen, device=probs.device)
         q = q.clamp_(min=1e-30).log_().neg_()
         return (probs / q).argmax(-1)
+
+
+# greedy_argmax scans the vocabulary in blocks of this many logits.
+ARGMAX_BLOCK = 1024
+
+
+def greedy_argmax(logits: torch.Tensor) -> torch.Tensor:
+    """logits [B, V] -> [B] int64, the same as logits.argmax(-1) (the first maximum on ties)
+    for rows without NaN. On the CPU, argmax over long rows is not vectorised: [78, 49152]
+    float32 took 3.5 ms against 0.3 for amax. So: the maximum of each block of ARGMAX_BLOCK
+    logits (amax), the first block holding the row's maximum, then argmax within that block."""
+    B, V = logits.shape
+    n_blocks = -(-V // ARGMAX_BLOCK)
+    if n_blocks < 4 or logits.stride(-1) != 1:
+        return logits.argmax(-1)
+    full = V // ARGMAX_BLOCK
+    block_max = logits[:, : full * ARGMAX_BLOCK].view(B, full, ARGMAX_BLOCK).amax(-1)  # [B, full]
+    if full < n_blocks:  # a shorter last block
+        block_max = torch.cat([block_max, logits[:, full * ARGMAX_BLOCK :].amax(-1, keepdim=True)], 1)
+    row_max = block_max.amax(-1, keepdim=True)  # [B, 1]
+    block = (block_max == row_max).to(torch.uint8).argmax(-1, keepdim=True)  # [B, 1] first such block
+    # Columns of that block; a short last block repeats its last column, after the real one,
+    # so the first maximum is still found at its real position.
+    cols = (block * ARGMAX_BLOCK + torch.arange(ARGMAX_BLOCK, device=logits.device)).clamp_(max=V - 1)  # [B, BLOCK]
+    within = logits.gather(1, cols).argmax(-1, keepdim=True)  # [B, 1]
+    return cols.gather(1, within).squeeze(1)
 
 
 # Candidate tokens per filtered row; a fixed number, so that a seeded row draws the same

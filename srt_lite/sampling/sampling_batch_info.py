@@ -3,7 +3,7 @@
 The running (decode) batch keeps one instance for its whole life: `filter` drops the rows of
 finished requests and `merge` appends newly prefilled ones, so nothing is rebuilt per step.
 Penalty state is incremental: `update` adds each step's sampled tokens to the counts.
-Optional tensors (logit_bias, penalties, min-token bans) exist only while some row needs them.
+Optional state (logit_bias, penalties, min-token bans) exists only while some row needs it.
 """
 
 from __future__ import annotations
@@ -30,7 +30,11 @@ class SamplingBatchInfo:
     # Per-request generators for seeded rows (None elsewhere); they live on the Req, so a
     # request draws the same noise whoever shares its batch, and across retraction.
     generators: list[torch.Generator | None]
-    logit_bias: torch.Tensor | None = None  # [B, V] float32
+    # Each row's logit_bias as (token ids, biases), None for a row without one; the list is
+    # None when no row has one. Sparse, because the usual bias is one or two tokens (e.g.
+    # suppressing EOS) and a dense [B, V] one cost a pass over the logits every step and a
+    # [B, V] copy whenever rows are filtered, merged or repeated for verification.
+    logit_bias: list[tuple[list[int], list[float]] | None] | None = None
     # min_new_tokens: rows with min_tokens_left > 0 cannot produce their stop ids yet.
     min_tokens_left: torch.Tensor | None = None  # [B] int64
     min_tokens_ban: torch.Tensor | None = None  # [B, V] bool, the ids each row may not end with
@@ -64,10 +68,10 @@ class SamplingBatchInfo:
             generators=[r.generator for r in reqs],
         )
         if any(p.logit_bias for p in params):
-            info.logit_bias = torch.zeros(B, V, dtype=torch.float32, device=device)
-            for i, p in enumerate(params):
-                for tid, bias in (p.logit_bias or {}).items():
-                    info.logit_bias[i, int(tid)] = float(bias)
+            info.logit_bias = [
+                ([int(t) for t in p.logit_bias], [float(b) for b in p.logit_bias.values()]) if p.logit_bias else None
+                for p in params
+            ]
         left = [max(p.min_new_tokens - len(r.output_ids), 0) for p, r in zip(params, reqs)]
         if any(left):
             info.min_tokens_left = col(left, torch.int64)
@@ -104,6 +108,20 @@ class SamplingBatchInfo:
             self.logit_bias is not None or self.min_tokens_left is not None or self.output_counts is not None
         )
 
+    def logit_bias_index(self) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+        """The logit_bias entries as (rows [N], token ids [N], biases [N] float32)."""
+        rows, ids, vals = [], [], []
+        for b, entry in enumerate(self.logit_bias):
+            if entry:
+                rows += [b] * len(entry[0])
+                ids += entry[0]
+                vals += entry[1]
+        return (
+            torch.tensor(rows, dtype=torch.int64, device=self.device),
+            torch.tensor(ids, dtype=torch.int64, device=self.device),
+            torch.tensor(vals, dtype=torch.float32, device=self.device),
+        )
+
     @property
     def batch_size(self) -> int:
         return int(self.temperatures.shape[0])
@@ -111,12 +129,12 @@ class SamplingBatchInfo:
     # ---- keeping rows aligned with the batch's requests ---------------------------------
 
     _ROW_TENSORS = (
-        "temperatures", "top_ps", "top_ks", "min_ps", "is_greedy", "logit_bias", "min_tokens_left",
+        "temperatures", "top_ps", "top_ks", "min_ps", "is_greedy", "min_tokens_left",
         "min_tokens_ban", "rep_penalties", "freq_penalties", "pres_penalties", "output_counts", "prompt_mask",
     )
     # Value of an absent optional tensor's rows when merging with a batch that has it.
     _NEUTRAL = {
-        "logit_bias": 0.0, "min_tokens_left": 0, "min_tokens_ban": False, "rep_penalties": 1.0,
+        "min_tokens_left": 0, "min_tokens_ban": False, "rep_penalties": 1.0,
         "freq_penalties": 0.0, "pres_penalties": 0.0, "output_counts": 0.0, "prompt_mask": False,
     }
 
@@ -128,6 +146,10 @@ class SamplingBatchInfo:
             if t is not None:
                 setattr(self, name, t[idx])
         self.generators = [self.generators[i] for i in keep]
+        if self.logit_bias is not None:
+            self.logit_bias = [self.logit_bias[i] for i in keep]
+            if not any(self.logit_bias):
+                self.logit_bias = None
         if self.min_tokens_left is not None and not bool(self.min_tokens_left.any()):
             self.min_tokens_left = self.min_tokens_ban = None
         self._refresh_flags()
@@ -142,6 +164,8 @@ class SamplingBatchInfo:
             if t is not None:
                 setattr(out, name, t.index_select(0, idx))
         out.generators = [g for g, n in zip(self.generators, counts) for _ in range(n)]
+        if self.logit_bias is not None:
+            out.logit_bias = [e for e, n in zip(self.logit_bias, counts) for _ in range(n)]
         out._refresh_flags()
         return out
 
@@ -158,6 +182,8 @@ class SamplingBatchInfo:
                 b = self._neutral(name, a, theirs)
             setattr(self, name, torch.cat([a, b]))
         self.generators = self.generators + other.generators
+        if self.logit_bias is not None or other.logit_bias is not None:
+            self.logit_bias = (self.logit_bias or [None] * mine) + (other.logit_bias or [None] * theirs)
         self._refresh_flags()
 
     @classmethod
