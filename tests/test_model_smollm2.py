@@ -7,6 +7,7 @@ import torch
 
 from conftest import chat_ids
 from model_harness import Harness
+from srt_lite.layers.linear import EXACT_ROWS, bucketed_rows
 from srt_lite.model_config import ModelConfig
 from srt_lite.model_executor.model_runner import ModelRunner
 from srt_lite.server_args import ServerArgs
@@ -115,3 +116,26 @@ def test_cached_prefix_plus_extend_equals_from_scratch(runner_fp32, tokenizer):
     tail = out.all_logits[: len(ids) - split]
     assert (tail - full[split:]).abs().max().item() < 1e-4
     assert torch.equal(tail.argmax(-1), full[split:].argmax(-1))
+
+
+def test_token_axis_padding_leaves_logits_and_kv_unchanged(default_model_config, tokenizer):
+    """bf16 on the CPU: ModelRunner pads a step's tokens once to the packed linears' row
+    bucket. The padding rows must write no KV and never reach the logits: with and without
+    it (each linear then pads for itself) the prefill's logits, and those of a following
+    step that reads the prefill's KV, are bit-identical."""
+    runner = ModelRunner(default_model_config, ServerArgs(max_total_tokens=1024))
+    assert runner.pad_rows
+    prompts = [tokenizer.encode(p) for p in PROMPTS]
+    more = [tokenizer.encode(" and then, after a long while, it")[:7] for _ in prompts]
+    for step in (prompts, more):
+        n = sum(map(len, step))
+        assert n > EXACT_ROWS and bucketed_rows(n) != n  # both steps are padded
+    runs = []
+    for pad in (True, False):
+        runner.pad_rows = pad
+        h = Harness(runner)
+        first = h.prefill(prompts).all_logits
+        second = h.extend(h.rows, h.lens, more).all_logits
+        runs.append((first, second))
+    assert torch.equal(runs[0][0], runs[1][0]) and torch.equal(runs[0][1], runs[1][1])
+    assert runs[0][0].shape[0] == sum(map(len, prompts))

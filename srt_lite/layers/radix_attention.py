@@ -4,6 +4,7 @@ import contextlib
 from typing import TYPE_CHECKING, Iterator
 
 import torch
+import torch.nn.functional as F
 from torch import nn
 
 if TYPE_CHECKING:
@@ -28,7 +29,17 @@ class RadixAttention(nn.Module):
             # Under torch.compile the batch's metadata is not a graph input: the opaque op
             # reads it from the forward context (see `compiled_forward_batch`).
             return torch.ops.srt_lite.attention(q, k, v, self.layer_id)
-        return forward_batch.attn_backend.forward(q, k, v, self, forward_batch)
+        return attend(q, k, v, self, forward_batch)
+
+
+def attend(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, layer: RadixAttention, fb: "ForwardBatch") -> torch.Tensor:
+    """The backend's attention for the batch's tokens. Rows past fb.num_tokens only pad the
+    token axis to a linear's row bucket (ModelRunner.forward): no KV, a zero output."""
+    T = fb.num_tokens
+    if q.shape[0] == T:
+        return fb.attn_backend.forward(q, k, v, layer, fb)
+    out = fb.attn_backend.forward(q[:T], k[:T], v[:T], layer, fb)  # [T, num_heads * head_dim]
+    return F.pad(out, (0, 0, 0, q.shape[0] - T))
 
 
 # ---- torch.compile support ---------------------------------------------------------------
@@ -53,7 +64,7 @@ def compiled_forward_batch(fb: "ForwardBatch", layers: dict[int, RadixAttention]
 @torch.library.custom_op("srt_lite::attention", mutates_args=())
 def _attention_op(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, layer_id: int) -> torch.Tensor:
     fb, layers = _CURRENT[-1]
-    return fb.attn_backend.forward(q, k, v, layers[layer_id], fb)
+    return attend(q, k, v, layers[layer_id], fb)
 
 
 @_attention_op.register_fake

@@ -6,11 +6,12 @@ import logging
 import time
 
 import torch
+import torch.nn.functional as F
 
 from srt_lite.distributed import get_tp_rank, get_tp_size
 from srt_lite.layers.attention import create_attention_backend
 from srt_lite.layers.attention.flashinfer_backend import FlashInferAttnBackend
-from srt_lite.layers.linear import pack_linears_for_cpu
+from srt_lite.layers.linear import bucketed_rows, pack_linears_for_cpu
 from srt_lite.layers.logits_processor import LogitsProcessorOutput
 from srt_lite.layers.radix_attention import RadixAttention, compiled_forward_batch
 from srt_lite.mem_cache.memory_pool import ReqToTokenPool, TokenToKVPool
@@ -70,8 +71,11 @@ class ModelRunner:
         self.model.load_weights(weights)
         self.model.eval()
         self.weight_bytes = sum(p.numel() * p.element_size() for p in self.model.parameters())
+        # Packed linears run at bucketed row counts; forward() pads the tokens once for them.
+        self.pad_rows = False
         if self.device == "cpu" and self.dtype == torch.bfloat16 and not self.server_args.disable_weight_packing:
             pack_linears_for_cpu(self.model)
+            self.pad_rows = True
         logger.info(
             "Loaded %s (%.1f MB, %s, %s) in %.1f s",
             cls.__name__, self.weight_bytes / 2**20, self.dtype, self.device,
@@ -133,10 +137,18 @@ class ModelRunner:
         if self.cuda_graph_runner is not None and self.cuda_graph_runner.can_run(fb):
             return self.cuda_graph_runner.replay(fb)
         self.attn_backend.init_forward_metadata(fb)
+        input_ids, positions = fb.input_ids, fb.positions
+        T = fb.num_tokens
+        if self.pad_rows and bucketed_rows(T) != T:
+            # The token axis padded once to the packed linears' row bucket, not in each of
+            # the 4 linears of every layer (~2 ms a step). The model drops the extra rows
+            # before the LM head, and attention gives them no KV and a zero output.
+            input_ids = F.pad(input_ids, (0, bucketed_rows(T) - T))  # [rows]
+            positions = F.pad(positions, (0, bucketed_rows(T) - T))
         if self.compiled_body is None:
-            return self.model(fb.input_ids, fb.positions, fb)
+            return self.model(input_ids, positions, fb)
         with torch.inference_mode(), compiled_forward_batch(fb, self.attn_layers):
-            hidden = self.compiled_body(fb.input_ids, fb.positions, None)  # [T, hidden]
+            hidden = self.compiled_body(input_ids, positions, None)[:T]  # [T, hidden]
             return self.model.logits_processor(hidden, self.model.lm_head, fb)
 
     # no_grad, not inference_mode: the scheduler builds its batches outside inference mode,

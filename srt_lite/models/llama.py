@@ -152,7 +152,7 @@ class LlamaForCausalLM(nn.Module):
 
     @torch.inference_mode()
     def forward(self, input_ids: torch.Tensor, positions: torch.Tensor, fb: ForwardBatch) -> LogitsProcessorOutput:
-        hidden = self.model(input_ids, positions, fb)
+        hidden = self.model(input_ids, positions, fb)[: fb.num_tokens]  # without padding rows
         return self.logits_processor(hidden, self.lm_head, fb)
 
     def load_weights(self, weights: Iterable[tuple[str, TensorSource]]) -> None:
