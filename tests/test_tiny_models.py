@@ -114,6 +114,29 @@ def test_warmup_runs_prefill_decode_verify_and_a_full_chunk_then_frees_its_kv(tm
     assert shapes == [[8] * 4, [1], [1] * 2, [1] * 4, [2], [3]]
 
 
+@pytest.mark.parametrize("kind", ["llama", "llama_tied_bias"])
+def test_packed_bf16_weights_give_the_plain_logits(kind, tmp_path):
+    """bf16 on the CPU: the linears and the LM head (tied to the embedding or not) run
+    through weights packed once for oneDNN. Logits of a padded prefill (23 tokens) and a
+    decode step are bit-identical to the plain weights', and an untied head keeps no
+    plain copy."""
+    path = make_tiny_model(kind, tmp_path / kind)
+    runners = [
+        ModelRunner(ModelConfig.load(path), ServerArgs(dtype="bfloat16", max_total_tokens=512, disable_weight_packing=off))
+        for off in (False, True)
+    ]
+    head = runners[0].model.lm_head
+    assert head.packed_weight is not None and runners[1].model.lm_head.packed_weight is None
+    assert (head.weight.numel() == 0) == (kind == "llama")  # tied: the lookup needs it
+    out = []
+    for runner in runners:
+        h = Harness(runner)
+        first = h.prefill([list(range(5, 20)), list(range(30, 38))]).all_logits
+        out.append((first, h.decode([3, 4])))
+    assert out[0][0].dtype == torch.float32 and out[0][0].shape[0] == 23
+    assert torch.equal(out[0][0], out[1][0]) and torch.equal(out[0][1], out[1][1])
+
+
 def test_qwen3_q_k_norm_weights_are_used(tmp_path):
     """Guards the test above: zeroing q_norm changes our logits (the norm is not ignored)."""
     path = make_tiny_model("qwen3", tmp_path / "q3")

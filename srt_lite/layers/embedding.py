@@ -7,12 +7,8 @@ import torch.nn.functional as F
 from torch import nn
 
 from srt_lite.distributed import get_tp_rank, get_tp_size, tp_all_gather, tp_all_reduce
+from srt_lite.layers.linear import pack_weight, packed_linear
 from srt_lite.model_loader.weight_utils import TensorSource, read_narrow
-
-# Above this many tokens F.linear beats W @ x^T plus the transposing copy it needs (SmolLM2's
-# 49152 x 576 head in bf16 on the 2-core CPU: 1.8 vs 2.6 ms at 16 rows, 4.9 vs 3.9 at 40,
-# 9.7 vs 4.4 at 64).
-WEIGHT_MAJOR_MAX_ROWS = 16
 
 
 class VocabParallelEmbedding(nn.Module):
@@ -27,10 +23,7 @@ class VocabParallelEmbedding(nn.Module):
         # [vocab / tp, hidden]
         self.weight = nn.Parameter(torch.zeros(self.vocab_per_rank, hidden_size), requires_grad=False)
         self.weight.weight_loader = self.weight_loader
-        # Set for bfloat16 on CPU, where F.linear's oneDNN path reorders this large weight on
-        # every call; for up to WEIGHT_MAJOR_MAX_ROWS tokens a matrix-vector product or W @ x^T
-        # reads it in place and is faster.
-        self.weight_major_logits = False
+        self.packed_weight: torch.Tensor | None = None  # the LM head's copy, see pack_for_cpu
 
     def weight_loader(self, param: nn.Parameter, src: TensorSource, shard_id=None) -> None:
         n = self.vocab_end - self.vocab_start
@@ -45,17 +38,20 @@ class VocabParallelEmbedding(nn.Module):
         out.masked_fill_(mask.unsqueeze(-1), 0)
         return tp_all_reduce(out)
 
+    def pack_for_cpu(self) -> None:
+        """bfloat16 on the CPU: F.linear reorders this large weight into oneDNN's layout on
+        every call, so the LM head keeps a copy packed once (vocab x hidden x 2 bytes more;
+        the lookup needs the plain weight). SmolLM2's 49152 x 576 head on the 2-core CPU:
+        1.5 vs 1.6-3.6 ms at 8 rows, 3.8 vs 8-9 ms at 48 (F.linear, or W @ x^T and a
+        transposing copy)."""
+        self.packed_weight = pack_weight(self.weight.data)
+
     def compute_logits(self, hidden: torch.Tensor) -> torch.Tensor:
-        """[tokens, hidden] -> [tokens, vocab] float32 logits, each row contiguous."""
-        rows = hidden.shape[0]
-        if not self.weight_major_logits or rows > WEIGHT_MAJOR_MAX_ROWS:
-            logits = F.linear(hidden, self.weight).float()
-        elif rows == 1:
-            logits = torch.mv(self.weight, hidden[0]).unsqueeze(0).float()
+        """[tokens, hidden] -> [tokens, vocab] float32 logits."""
+        if self.packed_weight is not None:
+            logits = packed_linear(hidden, self.packed_weight, None).float()
         else:
-            w_h = torch.mm(self.weight, hidden.t())  # [vocab / tp, tokens]
-            # One transposing pass into float32; rows must be contiguous for the sampler.
-            logits = torch.empty(rows, w_h.shape[0], dtype=torch.float32, device=w_h.device).copy_(w_h.t())
+            logits = F.linear(hidden, self.weight).float()
         if self.tp_size > 1:
             logits = tp_all_gather(logits, dim=-1)
         return logits[:, : self.vocab_size]
@@ -63,3 +59,7 @@ class VocabParallelEmbedding(nn.Module):
 
 class ParallelLMHead(VocabParallelEmbedding):
     """The output projection when it is not tied to the embedding."""
+
+    def pack_for_cpu(self) -> None:
+        super().pack_for_cpu()
+        self.weight.data = torch.empty(0, dtype=self.weight.dtype)  # no lookup: the packed copy is enough

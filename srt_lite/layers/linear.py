@@ -15,7 +15,6 @@ import torch.nn.functional as F
 from torch import nn
 
 from srt_lite.distributed import get_tp_rank, get_tp_size, tp_all_reduce
-from srt_lite.layers.embedding import VocabParallelEmbedding
 from srt_lite.model_loader.weight_utils import TensorSource, read_narrow
 
 
@@ -26,7 +25,7 @@ def divide(a: int, b: int) -> int:
 
 
 # Batch size oneDNN tunes a prepacked weight's layout for (decode batches are small).
-_PACK_BATCH_HINT = 16
+PACK_BATCH_HINT = 16
 # oneDNN builds (JIT) and caches a primitive per input shape: ~20 ms and ~3 MB for each new
 # token count. Mixed batches see a new count almost every step, so counts above
 # EXACT_ROWS are padded up to a multiple of ROW_BUCKET: a few dozen shapes, all soon cached.
@@ -38,6 +37,20 @@ ROW_BUCKET = 16
 
 def bucketed_rows(n: int) -> int:
     return n if n <= EXACT_ROWS else -(-n // ROW_BUCKET) * ROW_BUCKET
+
+
+def pack_weight(weight: torch.Tensor) -> torch.Tensor:
+    """A [out, in] weight reordered once into oneDNN's blocked layout (an opaque tensor)."""
+    return torch.ops.mkldnn._reorder_linear_weight(weight, PACK_BATCH_HINT)
+
+
+def packed_linear(x: torch.Tensor, packed_weight: torch.Tensor, bias: torch.Tensor | None) -> torch.Tensor:
+    """x [n, in] -> [n, out] through a pack_weight() weight, bit-identical to F.linear."""
+    n = x.shape[0]
+    rows = bucketed_rows(n)
+    if rows != n:
+        x = F.pad(x, (0, 0, 0, rows - n))  # [rows, in]; the extra rows are dropped below
+    return torch.ops.mkldnn._linear_pointwise(x, packed_weight, bias, "none", [], "")[:n]
 
 
 class PackableLinear(nn.Module):
@@ -56,7 +69,7 @@ class PackableLinear(nn.Module):
     def pack_for_cpu(self) -> None:
         out_features = self.weight.shape[0]
         # The opaque packed copy replaces the plain one, so the weights are not held twice.
-        self.packed_weight = torch.ops.mkldnn._reorder_linear_weight(self.weight.data, _PACK_BATCH_HINT)
+        self.packed_weight = pack_weight(self.weight.data)
         self.weight.data = torch.empty(0, dtype=self.weight.dtype)
         self.out_features = out_features
         self.packed_key = len(_PACKED)
@@ -69,14 +82,7 @@ class PackableLinear(nn.Module):
             # A oneDNN-packed weight is an opaque tensor that torch.compile cannot trace:
             # the graph calls the product as one custom op by the layer's key.
             return torch.ops.srt_lite.packed_linear(x, bias, self.packed_key)
-        return self.packed_matmul(x, bias)
-
-    def packed_matmul(self, x: torch.Tensor, bias: torch.Tensor | None) -> torch.Tensor:
-        n = x.shape[0]
-        rows = bucketed_rows(n)
-        if rows != n:
-            x = F.pad(x, (0, 0, 0, rows - n))  # [rows, in]; the extra rows are dropped below
-        return torch.ops.mkldnn._linear_pointwise(x, self.packed_weight, bias, "none", [], "")[:n]
+        return packed_linear(x, self.packed_weight, bias)
 
 
 # Every packed linear of the process, by packed_key; weak, so a dropped model is freed.
@@ -85,7 +91,7 @@ _PACKED: list["weakref.ref[PackableLinear]"] = []
 
 @torch.library.custom_op("srt_lite::packed_linear", mutates_args=())
 def _packed_linear_op(x: torch.Tensor, bias: torch.Tensor | None, key: int) -> torch.Tensor:
-    return _PACKED[key]().packed_matmul(x, bias)
+    return packed_linear(x, _PACKED[key]().packed_weight, bias)
 
 
 @_packed_linear_op.register_fake
@@ -94,13 +100,11 @@ def _(x: torch.Tensor, bias: torch.Tensor | None, key: int) -> torch.Tensor:
 
 
 def pack_linears_for_cpu(model: nn.Module) -> None:
-    """Prepacks every linear of a bfloat16 CPU model and switches the LM head to its
-    in-place product."""
+    """Prepacks every linear of a bfloat16 CPU model, and the LM head's weight (the
+    embedding, see VocabParallelEmbedding.pack_for_cpu)."""
     for m in model.modules():
-        if isinstance(m, PackableLinear):
+        if hasattr(m, "pack_for_cpu"):
             m.pack_for_cpu()
-        elif isinstance(m, VocabParallelEmbedding):
-            m.weight_major_logits = True
 
 
 class ColumnParallelLinear(PackableLinear):
