@@ -32,7 +32,9 @@ class RadixAttention(nn.Module):
         return attend(q, k, v, self, forward_batch)
 
 
-def attend(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, layer: RadixAttention, fb: "ForwardBatch") -> torch.Tensor:
+def attend(
+    q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, layer: RadixAttention, fb: "ForwardBatch"
+) -> torch.Tensor:
     """The backend's attention for the batch's tokens. Rows past fb.num_tokens only pad the
     token axis to a linear's row bucket (ModelRunner.forward): no KV, a zero output."""
     T = fb.num_tokens
