@@ -139,12 +139,13 @@ class ModelRunner:
         self.attn_backend.init_forward_metadata(fb)
         input_ids, positions = fb.input_ids, fb.positions
         T = fb.num_tokens
-        if self.pad_rows and bucketed_rows(T) != T:
+        rows = bucketed_rows(T) if self.pad_rows else T
+        if rows != T:
             # The token axis padded once to the packed linears' row bucket, not in each of
             # the 4 linears of every layer (~2 ms a step). The model drops the extra rows
             # before the LM head, and attention gives them no KV and a zero output.
-            input_ids = F.pad(input_ids, (0, bucketed_rows(T) - T))  # [rows]
-            positions = F.pad(positions, (0, bucketed_rows(T) - T))
+            input_ids = F.pad(input_ids, (0, rows - T))  # [rows]
+            positions = F.pad(positions, (0, rows - T))
         if self.compiled_body is None:
             return self.model(input_ids, positions, fb)
         with torch.inference_mode(), compiled_forward_batch(fb, self.attn_layers):
