@@ -181,7 +181,8 @@ class TorchNativeAttnBackend(AttentionBackend):
         ext_t = torch.tensor(ext, device=self.device)
         q_row = torch.repeat_interleave(torch.arange(B, device=self.device), ext_t)  # [T]
         starts = torch.cumsum(ext_t, 0) - ext_t
-        q_abs = torch.tensor(prefix, device=self.device)[q_row] + torch.arange(int(ext_t.sum()), device=self.device) - starts[q_row]
+        q_col = torch.arange(int(ext_t.sum()), device=self.device) - starts[q_row]  # index within its row
+        q_abs = torch.tensor(prefix, device=self.device)[q_row] + q_col  # [T] absolute position
         valid = key_valid[:, shared:]  # [B, Ls]
         ls = valid.shape[1]
         key_row = torch.arange(B, device=self.device)[:, None].expand(B, ls)[valid]  # [S]
@@ -295,11 +296,7 @@ class TorchNativeAttnBackend(AttentionBackend):
         o_pre, lse_pre = _attend_prefix(q_seq, k_buf, v_buf, g, layer.scaling)
         o_pre = o_pre.view(Hkv, T, G, D).transpose(0, 1)  # [Tg, Hkv, G, D]
         lse_pre = lse_pre.view(Hkv, T, G).transpose(0, 1)  # [Tg, Hkv, G]
-        # Softmax over the union = the parts weighted by their shares of the total mass:
-        # the prefix's share is sigmoid(lse_pre - lse_suf).
-        w_pre = torch.sigmoid(lse_pre - lse_suf).unsqueeze(-1).to(q.dtype)
-        return torch.lerp(o_suf, o_pre, w_pre).reshape(T, H * D)
-
+        return _merge(o_suf, lse_suf, o_pre, lse_pre).reshape(T, H * D)
 
     @staticmethod
     def _attend_token_cascade(
@@ -318,8 +315,7 @@ class TorchNativeAttnBackend(AttentionBackend):
         flash = torch.ops.aten._scaled_dot_product_flash_attention_for_cpu
         o_suf, lse_suf = flash(q_seq, k_suf, v_suf, attn_mask=g.bias, scale=layer.scaling)
         o_pre, lse_pre = _attend_prefix(q_seq, k_buf, v_buf, g, layer.scaling)
-        w_pre = torch.sigmoid(lse_pre - lse_suf).unsqueeze(-1).to(q.dtype)
-        out = torch.lerp(o_suf, o_pre, w_pre)  # [1, Hkv, Tg * G, D]
+        out = _merge(o_suf, lse_suf, o_pre, lse_pre)  # [1, Hkv, Tg * G, D]
         return out.view(Hkv, T, G, D).transpose(0, 1).reshape(T, H * D)
 
 
@@ -336,6 +332,14 @@ def _attend_prefix(
     k_pre = k_pre.view(1, lp, Hkv, D).transpose(1, 2).to(q_seq.dtype)  # [1, Hkv, Lp, D]
     v_pre = v_pre.view(1, lp, Hkv, D).transpose(1, 2).to(q_seq.dtype)
     return torch.ops.aten._scaled_dot_product_flash_attention_for_cpu(q_seq, k_pre, v_pre, scale=scale)
+
+
+def _merge(o_suf: torch.Tensor, lse_suf: torch.Tensor, o_pre: torch.Tensor, lse_pre: torch.Tensor) -> torch.Tensor:
+    """Softmax over the union of two key sets from each part's output [..., D] and
+    log-sum-exp [...]: the parts weighted by their shares of the total mass, the prefix's
+    share being sigmoid(lse_pre - lse_suf)."""
+    w_pre = torch.sigmoid(lse_pre - lse_suf).unsqueeze(-1).to(o_suf.dtype)
+    return torch.lerp(o_suf, o_pre, w_pre)
 
 
 def _prefix(index: torch.Tensor) -> dict:
