@@ -43,6 +43,28 @@ def put(tree: RadixCache, pool: TokenToKVPool, key: list[int]) -> torch.Tensor:
     return slots
 
 
+def test_pool_alloc_hands_out_fresh_slots_then_freed_ones_in_free_order():
+    """Freed slots are held back without copying the free list and join it, in the order
+    they were freed, only when the fresh ones run short; nothing is lost or handed out twice."""
+    pool = make_pool(8)
+    a, b = alloc(pool, 3), alloc(pool, 3)
+    assert a.tolist() == [1, 2, 3] and b.tolist() == [4, 5, 6]
+    pool.free(b[1:])
+    pool.free(a[:1])
+    assert pool.available_size() == 5
+    assert pool.alloc(6) is None and pool.available_size() == 5  # refused: nothing taken
+    assert alloc(pool, 2).tolist() == [7, 8]  # fresh slots first, released ones untouched
+    assert pool.available_size() == 3
+    assert alloc(pool, 2).tolist() == [5, 6]  # then the released ones, in the order freed
+    assert pool.free_slots.tolist() == [1]
+    mine = torch.tensor([2, 3])
+    pool.free(mine)
+    mine[:] = 0  # the pool keeps its own copy
+    assert pool.free_slots.tolist() == [1, 2, 3] and pool.available_size() == 3
+    pool.clear()
+    assert pool.available_size() == 8 and pool.free_slots.tolist() == list(range(1, 9))
+
+
 def assert_sizes(tree: RadixCache, evictable: int, protected: int) -> None:
     tree.check_invariants()
     assert tree.evictable_size() == evictable

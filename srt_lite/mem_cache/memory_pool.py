@@ -59,22 +59,45 @@ class TokenToKVPool:
         return 2 * num_layers * num_kv_heads * head_dim * torch.tensor([], dtype=dtype).element_size()
 
     def clear(self) -> None:
-        self.free_slots = torch.arange(1, self.size + 1, dtype=torch.int64, device=self.device)
+        self._free = torch.arange(1, self.size + 1, dtype=torch.int64, device=self.device)
+        # Freed slots wait here and join the free list when alloc needs them: appending to
+        # the list tensor on every free copied all of it (the whole pool when mostly free),
+        # and a step with drafts frees every row's rejected slots.
+        self._released: list[torch.Tensor] = []
+        self._num_released = 0
+
+    @property
+    def free_slots(self) -> torch.Tensor:
+        """Free slot ids [n] int64, in the order alloc hands them out (freed ones last)."""
+        self._merge_released()
+        return self._free
+
+    @free_slots.setter
+    def free_slots(self, slots: torch.Tensor) -> None:
+        self._free, self._released, self._num_released = slots, [], 0
+
+    def _merge_released(self) -> None:
+        if self._released:
+            self._free = torch.cat((self._free, *self._released))
+            self._released, self._num_released = [], 0
 
     def available_size(self) -> int:
-        return int(self.free_slots.numel())
+        return int(self._free.numel()) + self._num_released
 
     def alloc(self, n: int) -> torch.Tensor | None:
         """n free slot ids, or None when fewer than n are free (nothing is taken then)."""
-        if n > self.free_slots.numel():
-            return None
-        out = self.free_slots[:n]
-        self.free_slots = self.free_slots[n:]
+        if n > self._free.numel():
+            if n > self.available_size():
+                return None
+            self._merge_released()
+        out = self._free[:n]
+        self._free = self._free[n:]
         return out
 
     def free(self, slots: torch.Tensor) -> None:
         if slots.numel():
-            self.free_slots = torch.cat((self.free_slots, slots.to(torch.int64)))
+            self._released.append(slots.to(torch.int64, copy=True))  # the caller may reuse its tensor
+            self._num_released += int(slots.numel())
 
     def set_kv_buffer(self, layer_id: int, loc: torch.Tensor, k: torch.Tensor, v: torch.Tensor) -> None:
         """k, v [T, kv_heads, head_dim] written at slots loc [T]."""

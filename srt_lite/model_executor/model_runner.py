@@ -87,9 +87,15 @@ class ModelRunner:
         matmuls stay opaque custom ops inside the graph; everything between them (residual
         adds, RMSNorm, RoPE, SiLU * up) is fused by inductor. `dynamic=True` makes one graph
         serve every token count; torch specialises a single token (T = 1) into a second one.
-        The LM head and logits selection stay eager: they depend on the batch's rows."""
+        The LM head and logits selection stay eager: they depend on the batch's rows.
+
+        Inductor's C++ wrapper (`cpp_wrapper`) calls the graph's kernels and custom ops from
+        generated C++ instead of Python: a CPU step runs ~150 small calls, and W3's recorded
+        steps ran 2.5-4% faster with it (interleaved in one process). Its cost is a C++
+        compile of each graph on a cold inductor cache."""
         self.attn_layers = {m.layer_id: m for m in self.model.modules() if isinstance(m, RadixAttention)}
-        self.compiled_body = torch.compile(self.model.model, dynamic=True, fullgraph=True)
+        options = {"cpp_wrapper": True} if self.device == "cpu" else None
+        self.compiled_body = torch.compile(self.model.model, dynamic=True, fullgraph=True, options=options)
         logger.info("torch.compile on: the first forward of each graph compiles it (minutes without a cache)")
 
     def kv_heads_per_rank(self) -> int:
