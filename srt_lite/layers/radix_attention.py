@@ -38,7 +38,7 @@ def attend(
     """The backend's attention for the batch's tokens. Rows past fb.num_tokens only pad the
     token axis to a linear's row bucket (ModelRunner.forward): no KV, a zero output."""
     T = fb.num_tokens
-    if q.shape[0] == T:
+    if q.shape[0] == T or fb.attn_backend.takes_padded_rows:
         return fb.attn_backend.forward(q, k, v, layer, fb)
     out = fb.attn_backend.forward(q[:T], k[:T], v[:T], layer, fb)  # [T, num_heads * head_dim]
     return F.pad(out, (0, 0, 0, q.shape[0] - T))

@@ -18,6 +18,11 @@ class AttentionBackend(ABC):
     `forward_batch.out_cache_loc` and attends each new token to its request's whole KV.
     """
 
+    # True when `forward` accepts q, k, v padded past forward_batch.num_tokens (the CPU's
+    # row buckets) and returns as many rows, zero past num_tokens; otherwise the caller
+    # slices the padding off and pads the output again.
+    takes_padded_rows: bool = False
+
     @abstractmethod
     def init_forward_metadata(self, forward_batch: "ForwardBatch") -> None: ...
 

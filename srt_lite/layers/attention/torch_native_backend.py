@@ -77,6 +77,10 @@ TOKEN_SUFFIX_GAIN = 4
 
 
 class TorchNativeAttnBackend(AttentionBackend):
+    # Each layer's result is written straight into its padded output: slicing the padding
+    # off and padding the result again cost two more copies per layer.
+    takes_padded_rows = True
+
     def __init__(self, device: str):
         self.device = device
 
@@ -210,26 +214,37 @@ class TorchNativeAttnBackend(AttentionBackend):
         layer: "RadixAttention",
         fb: "ForwardBatch",
     ) -> torch.Tensor:
-        T = q.shape[0]
+        T, rows = fb.num_tokens, q.shape[0]
         H, Hkv, D = layer.num_heads, layer.num_kv_heads, layer.head_dim
+        if rows != T:  # rows past T pad the token axis to a row bucket: no KV, zero output
+            q, k, v = q[:T], k[:T], v[:T]
         pool = fb.token_to_kv_pool
         pool.set_kv_buffer(layer.layer_id, fb.out_cache_loc, k.view(T, Hkv, D), v.view(T, Hkv, D))
         k_buf, v_buf = pool.k_buffer[layer.layer_id], pool.v_buffer[layer.layer_id]
+        out = q.new_empty(rows, H * D)
+        if rows != T:
+            out[T:].zero_()
         groups: list[AttnGroup] = fb.attn_metadata
         if len(groups) == 1:
-            return self._attend(q, k_buf, v_buf, groups[0], layer)
-        out = q.new_empty(T, H * D)
+            self._attend(q, k_buf, v_buf, groups[0], layer, out[:T])
+            return out
         for g in groups:
             out.index_copy_(0, g.tok_idx, self._attend(q.index_select(0, g.tok_idx), k_buf, v_buf, g, layer))
         return out
 
     @staticmethod
     def _attend(
-        q: torch.Tensor, k_buf: torch.Tensor, v_buf: torch.Tensor, g: AttnGroup, layer: "RadixAttention"
+        q: torch.Tensor,
+        k_buf: torch.Tensor,
+        v_buf: torch.Tensor,
+        g: AttnGroup,
+        layer: "RadixAttention",
+        out: torch.Tensor | None = None,
     ) -> torch.Tensor:
-        """q [Tg, H * D] -> [Tg, H * D] for the rows of one group."""
+        """q [Tg, H * D] -> [Tg, H * D] for the rows of one group, written into `out` when
+        given (a [Tg, H * D] view whose rows are contiguous)."""
         if g.folded:
-            return TorchNativeAttnBackend._attend_folded(q, k_buf, v_buf, g, layer)
+            return TorchNativeAttnBackend._attend_folded(q, k_buf, v_buf, g, layer, out)
         T = q.shape[0]
         H, Hkv, D = layer.num_heads, layer.num_kv_heads, layer.head_dim
         B, lk = g.kv_index.shape
@@ -240,7 +255,7 @@ class TorchNativeAttnBackend(AttentionBackend):
         q_pad = _pad_queries(q, g, H, D)
         if g.mask is not None and (g.bias is None or g.bias.dtype != q.dtype):
             g.bias = _additive(g.mask, q.dtype)
-        out = F.scaled_dot_product_attention(
+        o = F.scaled_dot_product_attention(
             q_pad.transpose(1, 2),
             k_all.transpose(1, 2).to(q.dtype),
             v_all.transpose(1, 2).to(q.dtype),
@@ -248,15 +263,19 @@ class TorchNativeAttnBackend(AttentionBackend):
             is_causal=g.causal,
             scale=layer.scaling,
             enable_gqa=H != Hkv,
-        )  # [B, H, Lq, D]
-        out = out.transpose(1, 2)  # [B, Lq, H, D]
+        ).transpose(1, 2)  # [B, Lq, H, D]
         if g.q_rows is not None:
-            out = out[g.q_rows, g.q_cols]
-        return out.reshape(T, H * D)
+            o = o[g.q_rows, g.q_cols]  # [Tg, H, D]
+        return _write(o, out, T)
 
     @staticmethod
     def _attend_folded(
-        q: torch.Tensor, k_buf: torch.Tensor, v_buf: torch.Tensor, g: AttnGroup, layer: "RadixAttention"
+        q: torch.Tensor,
+        k_buf: torch.Tensor,
+        v_buf: torch.Tensor,
+        g: AttnGroup,
+        layer: "RadixAttention",
+        out: torch.Tensor | None,
     ) -> torch.Tensor:
         """Decode, verify or short extend rows, q [Tg, H * D] -> [Tg, H * D]. The G query
         heads of each KV head and the Lq tokens of a row become G * Lq query rows, so no GQA
@@ -264,7 +283,7 @@ class TorchNativeAttnBackend(AttentionBackend):
         to it in one call, unpadded, each row to its own suffix in another, and the two are
         merged by their log-sum-exp."""
         if g.token_suffix:
-            return TorchNativeAttnBackend._attend_token_cascade(q, k_buf, v_buf, g, layer)
+            return TorchNativeAttnBackend._attend_token_cascade(q, k_buf, v_buf, g, layer, out)
         T = q.shape[0]
         H, Hkv, D = layer.num_heads, layer.num_kv_heads, layer.head_dim
         G, Lq = H // Hkv, g.max_q
@@ -280,10 +299,10 @@ class TorchNativeAttnBackend(AttentionBackend):
         v_suf = v_buf.index_select(0, flat).view(B, ls, Hkv, D).transpose(1, 2).to(q.dtype)
         o_suf, lse_suf = flash(qf, k_suf, v_suf, attn_mask=g.bias, scale=layer.scaling)  # [B, Hkv, G * Lq, D]
         if g.prefix_index is None:
-            out = o_suf.view(B, Hkv, G, Lq, D).permute(0, 3, 1, 2, 4).reshape(B, Lq, H * D)
+            o = o_suf.view(B, Hkv, G, Lq, D).permute(0, 3, 1, 2, 4)  # [B, Lq, Hkv, G, D]
             if g.q_rows is not None:
-                return out[g.q_rows, g.q_cols]
-            return out.reshape(T, H * D)
+                o = o[g.q_rows, g.q_cols]  # [Tg, Hkv, G, D]
+            return _write(o, out, T)
         # Back to token order: [Tg, Hkv, G, D] and [Tg, Hkv, G].
         o_suf = o_suf.view(B, Hkv, G, Lq, D).permute(0, 3, 1, 2, 4)
         lse_suf = lse_suf.view(B, Hkv, G, Lq).permute(0, 3, 1, 2)
@@ -296,11 +315,19 @@ class TorchNativeAttnBackend(AttentionBackend):
         o_pre, lse_pre = _attend_prefix(q_seq, k_buf, v_buf, g, layer.scaling)
         o_pre = o_pre.view(Hkv, T, G, D).transpose(0, 1)  # [Tg, Hkv, G, D]
         lse_pre = lse_pre.view(Hkv, T, G).transpose(0, 1)  # [Tg, Hkv, G]
-        return _merge(o_suf, lse_suf, o_pre, lse_pre).reshape(T, H * D)
+        if out is None:
+            return _merge(o_suf, lse_suf, o_pre, lse_pre).reshape(T, H * D)
+        _merge(o_suf, lse_suf, o_pre, lse_pre, out.view(T, Hkv, G, D))
+        return out
 
     @staticmethod
     def _attend_token_cascade(
-        q: torch.Tensor, k_buf: torch.Tensor, v_buf: torch.Tensor, g: AttnGroup, layer: "RadixAttention"
+        q: torch.Tensor,
+        k_buf: torch.Tensor,
+        v_buf: torch.Tensor,
+        g: AttnGroup,
+        layer: "RadixAttention",
+        out: torch.Tensor | None,
     ) -> torch.Tensor:
         """q [Tg, H * D] -> [Tg, H * D]: the prefix and the concatenated suffixes are each
         one sequence attended by all Tg * G queries of a KV head, merged by log-sum-exp."""
@@ -315,8 +342,13 @@ class TorchNativeAttnBackend(AttentionBackend):
         flash = torch.ops.aten._scaled_dot_product_flash_attention_for_cpu
         o_suf, lse_suf = flash(q_seq, k_suf, v_suf, attn_mask=g.bias, scale=layer.scaling)
         o_pre, lse_pre = _attend_prefix(q_seq, k_buf, v_buf, g, layer.scaling)
-        out = _merge(o_suf, lse_suf, o_pre, lse_pre)  # [1, Hkv, Tg * G, D]
-        return out.view(Hkv, T, G, D).transpose(0, 1).reshape(T, H * D)
+        # [1, Hkv, Tg * G, D] -> token order, merged straight into the output's layout.
+        o_suf, o_pre = o_suf.view(Hkv, T, G, D), o_pre.view(Hkv, T, G, D)
+        lse_suf, lse_pre = lse_suf.view(Hkv, T, G), lse_pre.view(Hkv, T, G)
+        if out is None:
+            out = q.new_empty(T, H * D)
+        _merge(o_suf, lse_suf, o_pre, lse_pre, out.view(T, Hkv, G, D).transpose(0, 1))
+        return out
 
 
 def _attend_prefix(
@@ -334,12 +366,30 @@ def _attend_prefix(
     return torch.ops.aten._scaled_dot_product_flash_attention_for_cpu(q_seq, k_pre, v_pre, scale=scale)
 
 
-def _merge(o_suf: torch.Tensor, lse_suf: torch.Tensor, o_pre: torch.Tensor, lse_pre: torch.Tensor) -> torch.Tensor:
+def _merge(
+    o_suf: torch.Tensor,
+    lse_suf: torch.Tensor,
+    o_pre: torch.Tensor,
+    lse_pre: torch.Tensor,
+    out: torch.Tensor | None = None,
+) -> torch.Tensor:
     """Softmax over the union of two key sets from each part's output [..., D] and
     log-sum-exp [...]: the parts weighted by their shares of the total mass, the prefix's
-    share being sigmoid(lse_pre - lse_suf)."""
-    w_pre = torch.sigmoid(lse_pre - lse_suf).unsqueeze(-1).to(o_suf.dtype)
-    return torch.lerp(o_suf, o_pre, w_pre)
+    share being sigmoid(lse_pre - lse_suf). Written into `out` (any strides) when given."""
+    w_pre = torch.sigmoid_(lse_pre - lse_suf).unsqueeze(-1).to(o_suf.dtype)
+    if out is None:
+        return torch.lerp(o_suf, o_pre, w_pre)
+    return torch.lerp(o_suf, o_pre, w_pre, out=out)
+
+
+def _write(o: torch.Tensor, out: torch.Tensor | None, T: int) -> torch.Tensor:
+    """An attention output whose leading dims are the T tokens in order ([T, ...] or
+    [B, Lq, ...] with B * Lq = T, any strides) as [T, H * D]: one copy, into `out` when
+    given."""
+    if out is None:
+        return o.reshape(T, -1)
+    out.view(o.shape).copy_(o)
+    return out
 
 
 def _prefix(index: torch.Tensor) -> dict:
