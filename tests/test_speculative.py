@@ -58,6 +58,26 @@ def test_index_finds_the_longest_latest_match_and_never_the_tail_itself():
     assert ix.propose(toks, 2) == [4, 5]
 
 
+def test_index_holds_the_latest_end_of_every_ngram_before_the_last_position():
+    """Grown in random pieces, the index equals a brute-force table: every n-gram
+    (min_n <= n <= max_n) ending at a position before the last, mapped to its latest end."""
+    import random
+
+    rng = random.Random(0)
+    for _ in range(200):
+        min_n = rng.randint(1, 3)
+        max_n = rng.randint(min_n, 5)
+        tokens = [rng.randint(0, 5) for _ in range(rng.randint(0, 50))]
+        ix = NgramIndex(min_n, max_n)
+        for cut in sorted(rng.sample(range(len(tokens) + 1), min(3, len(tokens) + 1))) + [len(tokens)]:
+            ix.extend(tokens[:cut])
+            want = {}
+            for end in range(1, cut):
+                for n in range(min_n, min(max_n, end) + 1):
+                    want[tuple(tokens[end - n : end])] = end
+            assert ix.ends == want
+
+
 def test_a_loop_shorter_than_the_draft_is_copied_over_itself():
     assert NgramIndex(1, 3).propose([7, 1, 1, 1], 5) == [1, 1, 1, 1, 1]
     assert NgramIndex(1, 3).propose([7, 1, 2, 1, 2], 5) == [1, 2, 1, 2, 1]
