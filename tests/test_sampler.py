@@ -172,23 +172,6 @@ def test_logit_bias_forces_and_forbids_without_touching_others():
     assert ids[2] == int(logits[2].argmax())
 
 
-def test_in_place_adjusts_the_callers_logits_and_the_default_does_not():
-    """The worker lets the sampler apply logit_bias to the forward's logits themselves (no
-    [R, V] copy); other callers keep theirs untouched. Same tokens and logprobs either way."""
-    g = torch.Generator().manual_seed(4)
-    logits = torch.randn(2, V, generator=g)
-    reqs = [make_req(0, temperature=0, logit_bias={"7": 50}), make_req(1, temperature=0)]
-    info = SamplingBatchInfo.from_reqs(reqs, V, "cpu", set())
-    lreq = LogprobRequest([0, 1], [2, 2], [None, None])
-    kept = logits.clone()
-    copy_out = Sampler(0, "cpu")(logits, info, lreq)
-    assert torch.equal(logits, kept)
-    in_place_out = Sampler(0, "cpu")(logits, info, lreq, in_place=True)
-    assert torch.equal(copy_out.next_ids, in_place_out.next_ids) and copy_out.next_ids[0] == 7
-    assert copy_out.logprobs == in_place_out.logprobs  # raw logprobs: taken before the bias
-    assert logits[0, 7] == kept[0, 7] + 50 and torch.equal(logits[1], kept[1])
-
-
 def test_min_new_tokens_bans_eos_until_reached():
     logits = torch.zeros(1, V)
     logits[0, 2] = 10.0  # EOS is by far the best token

@@ -81,12 +81,11 @@ class TpModelWorker:
 
     def sample(self, logits: torch.Tensor, reqs: list[Req], infos: list[SamplingBatchInfo]) -> SampleOutput:
         if len(infos) == 1:
-            # The forward's logits serve only this sampling: adjusted in place.
-            return self.sampler(logits, infos[0], logprob_request(reqs), in_place=True)
+            return self.sampler(logits, infos[0], logprob_request(reqs))
         ids, logprobs, start = [], {}, 0
         for info in infos:
             end = start + info.batch_size
-            part = self.sampler(logits[start:end], info, logprob_request(reqs[start:end]), in_place=True)
+            part = self.sampler(logits[start:end], info, logprob_request(reqs[start:end]))
             ids.append(part.next_ids)
             logprobs.update({start + row: v for row, v in (part.logprobs or {}).items()})
             start = end

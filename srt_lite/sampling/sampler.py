@@ -38,22 +38,17 @@ class Sampler:
         self.generator.manual_seed(seed)
 
     def __call__(
-        self,
-        logits: torch.Tensor,
-        info: SamplingBatchInfo,
-        logprob_req: LogprobRequest | None = None,
-        in_place: bool = False,
+        self, logits: torch.Tensor, info: SamplingBatchInfo, logprob_req: LogprobRequest | None = None
     ) -> SampleOutput:
-        """logits [B, V] -> next token ids [B] (and the asked-for raw logprobs). With
-        in_place, bias and penalties are applied to `logits` itself (a caller that has no
-        further use for them saves a copy: [R, V] float32 for every verify position)."""
+        """logits [B, V] -> next token ids [B] (and the asked-for raw logprobs)."""
         logits = logits.float()
         raw_logprobs = None
         if logprob_req is not None and logprob_req.rows:
             # The model's own distribution: before bias, penalties and temperature.
             raw_logprobs = torch.log_softmax(logits, dim=-1)
         if info.needs_adjustment:
-            logits = apply_logit_adjustments(logits if in_place else logits.clone(), info)
+            # On a copy: the caller's logits (and raw_logprobs' source) stay untouched.
+            logits = apply_logit_adjustments(logits.clone(), info)
         if info.all_greedy:
             next_ids = greedy_argmax(logits)
         else:
