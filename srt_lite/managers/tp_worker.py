@@ -3,8 +3,11 @@
 from __future__ import annotations
 
 import itertools
+import os
+import time
 from dataclasses import dataclass, field
 
+import orjson
 import torch
 
 from srt_lite.managers.schedule_batch import Req, ScheduleBatch
@@ -32,6 +35,9 @@ class TpModelWorker:
         self.device = self.model_runner.device
         self.vocab_size = model_config.vocab_size
         self.sampler = Sampler(server_args.random_seed, self.device)
+        # benchmarks/replay_steps.py: each forward's rows appended to this file (JSON lines),
+        # so a server run's steps can be replayed in one process to compare code variants.
+        self.record_steps = os.environ.get("SRT_LITE_RECORD_STEPS")
 
     def forward_batch_generation(
         self, batch: ScheduleBatch, out_cache_loc: torch.Tensor, infos: list[SamplingBatchInfo]
@@ -41,7 +47,10 @@ class TpModelWorker:
         (a mixed batch has the running batch's info, then the new requests')."""
         prompt_rows = [i for i, r in enumerate(batch.reqs) if batch.is_prefill and wants_input_logprobs(r)]
         fb = batch.to_forward_batch(out_cache_loc, self.device, return_all_logits=bool(prompt_rows))
+        start = time.perf_counter()
         out = self.model_runner.forward(fb)
+        if self.record_steps:
+            self._record_step(fb.extend_prefix_lens_cpu, fb.extend_seq_lens_cpu, time.perf_counter() - start)
         accepted = {}
         if fb.logit_index is None:
             sample = self.sample(out.next_token_logits, batch.reqs, infos)
@@ -78,6 +87,11 @@ class TpModelWorker:
         logprobs = {b: flat.logprobs[first[b]] for b in range(len(reqs)) if flat.logprobs and first[b] in flat.logprobs}
         index = torch.tensor(first, dtype=torch.int64, device=flat.next_ids.device)
         return SampleOutput(flat.next_ids.index_select(0, index), logprobs or None), accepted
+
+    def _record_step(self, prefix_lens: list[int], extend_lens: list[int], seconds: float) -> None:
+        """One line per forward: [prefix lengths, new-token counts, forward ms]."""
+        with open(self.record_steps, "ab") as f:
+            f.write(orjson.dumps([list(prefix_lens), list(extend_lens), round(seconds * 1e3, 2)]) + b"\n")
 
     def sample(self, logits: torch.Tensor, reqs: list[Req], infos: list[SamplingBatchInfo]) -> SampleOutput:
         if len(infos) == 1:
