@@ -31,6 +31,17 @@ def init_distributed(tp_rank: int, tp_size: int, device: str, dist_port: int | N
     _CPU_GROUP = dist.new_group(backend="gloo") if backend != "gloo" else dist.group.WORLD
 
 
+def destroy_distributed() -> None:
+    """Leaves the TP group once every rank got here. A rank that just exits while another
+    still talks to it can end in gloo's connection threads calling std::terminate (SIGABRT
+    at exit, seen once in CI's tensor-parallel test)."""
+    global _CPU_GROUP
+    if _TP_SIZE > 1 and dist.is_initialized():
+        dist.barrier()
+        dist.destroy_process_group()
+        _CPU_GROUP = None
+
+
 def get_tp_rank() -> int:
     return _TP_RANK
 
