@@ -148,16 +148,21 @@ def test_qwen3_q_k_norm_weights_are_used(tmp_path):
     assert (before - after).abs().max().item() > 1e-3
 
 
-@pytest.mark.parametrize("consecutive,token_suffix", [(True, True), (False, True), (True, False)])
-def test_cascade_decode_over_shared_prefix_matches_transformers(tmp_path, monkeypatch, consecutive, token_suffix):
+@pytest.mark.parametrize(
+    "consecutive,token_suffix,cpp", [(True, True, True), (False, True, True), (True, True, False), (True, False, False)]
+)
+def test_cascade_decode_over_shared_prefix_matches_transformers(tmp_path, monkeypatch, consecutive, token_suffix, cpp):
     """Rows that share their first 80 KV slots (a radix hit) take the cascade path (shared
     prefix once + own suffixes, merged by log-sum-exp): in the extend step a decode row,
     verify rows (as in speculative decoding) and a 24-token prompt on the cached prefix, all
     in one group, then the decode steps; logits still match HF. The prefix is read as a view
     of the pool when its slots are consecutive, else gathered; the suffixes are attended as
-    one masked sequence, or (when that would cost more) row by row, padded."""
+    one masked sequence (in the C++ op, or with torch ops), or (when that would cost more)
+    row by row, padded."""
+    from srt_lite.layers import cpu_kernels
     from srt_lite.layers.attention import torch_native_backend as tnb
 
+    assert cpu_kernels.load()  # built here: CI's machine has the compiler inductor uses
     if not token_suffix:
         monkeypatch.setattr(tnb, "TOKEN_SUFFIX_GAIN", 0)
     calls, starts = [], []
@@ -166,11 +171,17 @@ def test_cascade_decode_over_shared_prefix_matches_transformers(tmp_path, monkey
         tnb.TorchNativeAttnBackend, "_attend_folded",
         staticmethod(lambda *a: calls.append((a[0].shape[0], a[3].token_suffix)) or original(*a)),
     )
+    original_cpp = tnb._token_cascade_cpp
+    monkeypatch.setattr(
+        tnb, "_token_cascade_cpp", lambda q, k, v, g, *a: calls.append((q.shape[0], "cpp")) or original_cpp(q, k, v, g, *a)
+    )
     original_prefix = tnb._prefix
     monkeypatch.setattr(tnb, "_prefix", lambda index: starts.append(original_prefix(index)["prefix_start"]) or original_prefix(index))
     path = make_tiny_model("llama", tmp_path / "llama")
     hf = AutoModelForCausalLM.from_pretrained(path, dtype=torch.float32).eval()
     runner = ModelRunner(ModelConfig.load(path), ServerArgs(dtype="float32", max_total_tokens=2048))
+    assert runner.attn_backend.cpu_kernels
+    runner.attn_backend.cpu_kernels = cpp
     if not consecutive:  # a fragmented free list: the prompt's slots are scattered
         free = runner.token_to_kv_pool.free_slots
         runner.token_to_kv_pool.free_slots = free[torch.randperm(free.numel(), generator=torch.Generator().manual_seed(5))]
@@ -191,7 +202,8 @@ def test_cascade_decode_over_shared_prefix_matches_transformers(tmp_path, monkey
     decode_and_compare(h, hf, seqs, logits, steps=3)
     # Both layers, one group each: the extend step (rows of 1, 4, 9 and 24 tokens: 38 queries)
     # and every decode step (4 queries).
-    assert calls == [(38, token_suffix)] * 2 + [(4, token_suffix)] * 3 * 2
+    kind = "cpp" if cpp else token_suffix
+    assert calls == [(38, kind)] * 2 + [(4, kind)] * 3 * 2
     assert len(starts) == 4 and all((st is not None) == consecutive for st in starts)
 
 
@@ -213,7 +225,8 @@ def test_torch_compile_matches_eager(kind, dtype, tmp_path):
     eager, compiled = runner(False), runner(True)
     assert compiled.compiled_body is not None
     if dtype == "bfloat16":
-        assert any(m.packed_weight is not None for m in compiled.model.modules() if hasattr(m, "packed_weight"))
+        packed = [m for m in compiled.model.modules() if getattr(m, "packed_weight", None) is not None]
+        assert packed and all(m.cpp_key >= 0 for m in packed if hasattr(m, "cpp_key"))  # the graph's C++ op
     graphs_before = counters["stats"]["unique_graphs"]
     compiled.warmup(max_batch=2, max_verify=3)
     assert counters["stats"]["unique_graphs"] - graphs_before == 2  # many tokens, one token

@@ -8,6 +8,7 @@ tensor, so loading never materialises a full tensor on every rank.
 
 from __future__ import annotations
 
+import functools
 import weakref
 
 import torch
@@ -15,6 +16,7 @@ import torch.nn.functional as F
 from torch import nn
 
 from srt_lite.distributed import get_tp_rank, get_tp_size, tp_all_reduce
+from srt_lite.layers import cpu_kernels
 from srt_lite.model_loader.weight_utils import TensorSource, read_narrow
 
 
@@ -65,6 +67,7 @@ class PackableLinear(nn.Module):
     weight: nn.Parameter
     packed_weight: torch.Tensor | None = None
     packed_key: int = -1  # index in _PACKED, for the compiled graph's opaque op
+    cpp_key: int = -1  # the weight's key for srt_lite_cpu::packed_linear (C++), if built
 
     def pack_for_cpu(self) -> None:
         out_features = self.weight.shape[0]
@@ -74,13 +77,20 @@ class PackableLinear(nn.Module):
         self.out_features = out_features
         self.packed_key = len(_PACKED)
         _PACKED.append(weakref.ref(self))
+        if cpu_kernels.load():
+            self.cpp_key = torch.ops.srt_lite_cpu.register_packed_weight(self.packed_weight)
+            _CPP_OUT_FEATURES[self.cpp_key] = out_features
+            _register_cpp_fake()
 
     def matmul(self, x: torch.Tensor, bias: torch.Tensor | None) -> torch.Tensor:
         if self.packed_weight is None:
             return F.linear(x, self.weight, bias)
         if torch.compiler.is_compiling():
             # A oneDNN-packed weight is an opaque tensor that torch.compile cannot trace:
-            # the graph calls the product as one custom op by the layer's key.
+            # the graph calls the product as one custom op by the layer's key: the C++ op
+            # when it is built (called from inductor's C++ wrapper without Python).
+            if self.cpp_key >= 0:
+                return torch.ops.srt_lite_cpu.packed_linear(x, bias, self.cpp_key)
             return torch.ops.srt_lite.packed_linear(x, bias, self.packed_key)
         return packed_linear(x, self.packed_weight, bias)
 
@@ -97,6 +107,17 @@ def _packed_linear_op(x: torch.Tensor, bias: torch.Tensor | None, key: int) -> t
 @_packed_linear_op.register_fake
 def _(x: torch.Tensor, bias: torch.Tensor | None, key: int) -> torch.Tensor:
     return x.new_empty(x.shape[0], _PACKED[key]().out_features)  # [T, out_features]
+
+
+# out_features of each weight registered with the C++ op, for its fake (shape) function.
+_CPP_OUT_FEATURES: dict[int, int] = {}
+
+
+@functools.cache
+def _register_cpp_fake() -> None:
+    @torch.library.register_fake("srt_lite_cpu::packed_linear")
+    def _(x: torch.Tensor, bias: torch.Tensor | None, key: int) -> torch.Tensor:
+        return x.new_empty(x.shape[0], _CPP_OUT_FEATURES[key])  # [T, out_features]
 
 
 def pack_linears_for_cpu(model: nn.Module) -> None:

@@ -1,0 +1,64 @@
+"""The C++ CPU ops (srt_lite/csrc/cpu_attention.cpp), built on first use.
+
+torch.utils.cpp_extension compiles them with the machine's C++ compiler (the one inductor's
+C++ wrapper uses) into the srt_lite cache, once per machine and torch version (~10-40 s),
+and registers `torch.ops.srt_lite_cpu.*`: the attention backend's cascade step and the
+compiled graph's packed linear. Without a compiler, or with SRT_LITE_DISABLE_CPU_KERNELS=1,
+`load()` returns False and the callers keep their torch ops.
+"""
+
+from __future__ import annotations
+
+import logging
+import os
+import time
+
+import torch
+
+from srt_lite.utils import cache_root
+
+logger = logging.getLogger(__name__)
+
+SOURCE = os.path.join(os.path.dirname(os.path.dirname(__file__)), "csrc", "cpu_attention.cpp")
+_loaded: bool | None = None
+
+
+def load() -> bool:
+    """True once the op is registered in this process (built or found in the cache)."""
+    global _loaded
+    if _loaded is None:
+        _loaded = _build()
+    return _loaded
+
+
+def _build() -> bool:
+    if os.environ.get("SRT_LITE_DISABLE_CPU_KERNELS", "0") not in ("", "0"):
+        return False
+    t0 = time.perf_counter()
+    try:
+        from torch.utils import cpp_extension
+
+        _ninja_on_path()
+        build_dir = os.path.join(cache_root(), "torch_extensions", f"cpu_ops-torch{torch.__version__}")
+        os.makedirs(build_dir, exist_ok=True)
+        cpp_extension.load(
+            name="srt_lite_cpu", sources=[SOURCE], build_directory=build_dir,
+            extra_cflags=["-O2"], is_python_module=False, verbose=False,
+        )
+    except Exception as e:  # no compiler or ninja: the torch ops path is always there
+        logger.warning("C++ CPU kernels unavailable, using torch ops (%s)", str(e).splitlines()[0] if str(e) else type(e).__name__)
+        return False
+    logger.info("C++ CPU kernels loaded in %.1f s", time.perf_counter() - t0)
+    return True
+
+
+def _ninja_on_path() -> None:
+    """cpp_extension runs `ninja` from PATH; the pip package's binary is in the venv, which
+    is not on PATH when the server is started as .venv/bin/python."""
+    try:
+        import ninja
+    except ImportError:
+        return
+    path = os.environ.get("PATH", "")
+    if ninja.BIN_DIR not in path.split(os.pathsep):
+        os.environ["PATH"] = ninja.BIN_DIR + os.pathsep + path

@@ -1,0 +1,108 @@
+"""The C++ CPU ops (srt_lite/csrc/cpu_attention.cpp): the token cascade and the compiled
+graph's packed linear give the torch ops' results bit for bit, and bad input raises."""
+
+from __future__ import annotations
+
+import os
+import subprocess
+import sys
+
+import pytest
+import torch
+
+from model_harness import Harness
+from srt_lite.layers import cpu_kernels
+from srt_lite.layers.linear import PackableLinear, packed_linear
+from srt_lite.model_config import ModelConfig
+from srt_lite.model_executor.model_runner import ModelRunner
+from srt_lite.server_args import ServerArgs
+from test_tiny_models import make_tiny_model
+
+
+@pytest.fixture(scope="module", autouse=True)
+def built():
+    assert cpu_kernels.load()  # CI's machine has the C++ compiler inductor's wrapper uses
+
+
+@pytest.mark.parametrize("consecutive", [True, False])
+def test_token_cascade_op_gives_the_torch_ops_logits_bit_for_bit(tmp_path, consecutive):
+    """bf16 packed model (token axis padded to the row bucket): rows of 1, 4, 9 and 24 new
+    tokens over a shared 80-token prefix, then decode steps, once through the C++ op and once
+    through torch ops; the prefix is a view of the pool or gathered (scattered slots)."""
+    path = make_tiny_model("llama", tmp_path / "llama")
+    runner = ModelRunner(ModelConfig.load(path), ServerArgs(dtype="bfloat16", max_total_tokens=4096))
+    backend = runner.attn_backend
+    assert backend.cpu_kernels and runner.pad_rows
+    if not consecutive:
+        free = runner.token_to_kv_pool.free_slots
+        runner.token_to_kv_pool.free_slots = free[torch.randperm(free.numel(), generator=torch.Generator().manual_seed(1))]
+    g = torch.Generator().manual_seed(4)
+    prefix = torch.randint(3, 320, (80,), generator=g).tolist()
+    suffixes = [torch.randint(3, 320, (n,), generator=g).tolist() for n in (1, 4, 9, 24)]
+    h = Harness(runner)
+    h.prefill([prefix])
+    pool = runner.req_to_token_pool
+
+    def run(cpp: bool) -> list[torch.Tensor]:
+        backend.cpu_kernels = cpp
+        rows = [pool.alloc() for _ in suffixes]
+        for row in rows:
+            pool.req_to_token[row, :80] = pool.req_to_token[h.rows[0], :80]
+        hr = Harness(runner)
+        out = [hr.extend(rows, [80] * 4, suffixes, all_logits=False).next_token_logits]
+        hr.rows, hr.lens = rows, [80 + len(s) for s in suffixes]
+        for _ in range(3):
+            out.append(hr.decode(out[-1].argmax(-1).tolist()))
+        return out
+
+    torch_ops, cpp = run(False), run(True)
+    for a, b in zip(torch_ops, cpp):
+        assert torch.equal(a, b)
+
+
+def test_packed_linear_op_equals_the_python_product():
+    torch.manual_seed(0)
+    layer = PackableLinear()
+    layer.weight = torch.nn.Parameter(torch.randn(96, 64, dtype=torch.bfloat16), requires_grad=False)
+    layer.pack_for_cpu()
+    assert layer.cpp_key >= 0
+    bias = torch.randn(96, dtype=torch.bfloat16)
+    for n in (1, 5, 16, 48):
+        x = torch.randn(n, 64, dtype=torch.bfloat16)
+        for b in (None, bias):
+            got = torch.ops.srt_lite_cpu.packed_linear(x, b, layer.cpp_key)
+            assert got.shape == (n, 96)
+            assert torch.equal(got, packed_linear(x, layer.packed_weight, b))
+
+
+def test_a_freed_weight_or_unknown_key_raises_instead_of_crashing():
+    layer = PackableLinear()
+    layer.weight = torch.nn.Parameter(torch.randn(8, 8, dtype=torch.bfloat16), requires_grad=False)
+    layer.pack_for_cpu()
+    key = layer.cpp_key
+    x = torch.randn(2, 8, dtype=torch.bfloat16)
+    del layer  # the op holds the packed weight weakly
+    with pytest.raises(RuntimeError, match="freed"):
+        torch.ops.srt_lite_cpu.packed_linear(x, None, key)
+    with pytest.raises(RuntimeError, match="no packed weight"):
+        torch.ops.srt_lite_cpu.packed_linear(x, None, 10**6)
+
+
+def test_a_slot_id_outside_the_pool_raises_and_writes_nothing():
+    Hkv, D, H = 2, 8, 4
+    k_buf, v_buf = torch.zeros(16, Hkv, D), torch.zeros(16, Hkv, D)
+    q, k, v = torch.randn(2, H * D), torch.randn(2, Hkv * D), torch.randn(2, Hkv * D)
+    loc = torch.tensor([3, 16])  # 16 is past the end
+    bias = torch.zeros(1, 1, 2 * (H // Hkv), 2)
+    with pytest.raises(RuntimeError, match="out of range"):
+        torch.ops.srt_lite_cpu.cascade_attention(
+            q, k, v, k_buf, v_buf, loc, torch.tensor([3, 4]), bias, 0, 2, torch.tensor([0, 1]), H, 0.3, torch.empty(2, H * D)
+        )
+    assert not k_buf.any() and not v_buf.any()
+
+
+def test_disabled_by_environment():
+    env = dict(os.environ, SRT_LITE_DISABLE_CPU_KERNELS="1")
+    code = "from srt_lite.layers import cpu_kernels; print(cpu_kernels.load())"
+    out = subprocess.run([sys.executable, "-c", code], env=env, capture_output=True, text=True, check=True)
+    assert out.stdout.strip() == "False"
