@@ -106,3 +106,35 @@ def test_disabled_by_environment():
     code = "from srt_lite.layers import cpu_kernels; print(cpu_kernels.load())"
     out = subprocess.run([sys.executable, "-c", code], env=env, capture_output=True, text=True, check=True)
     assert out.stdout.strip() == "False"
+
+
+def test_small_decode_groups_take_the_token_cascade_only_with_the_cpp_op(tmp_path):
+    """8 decode rows with equal suffixes over a shared prefix: one masked suffix sequence has
+    ~8x the pairs of padding each row (the ratio rule says row by row), but it is small, so
+    with the C++ op it is taken; the logits agree either way (fp32)."""
+    path = make_tiny_model("llama", tmp_path / "llama")
+    runner = ModelRunner(ModelConfig.load(path), ServerArgs(dtype="float32", max_total_tokens=4096))
+    backend = runner.attn_backend
+    seen = []
+    original = backend.init_forward_metadata
+    backend.init_forward_metadata = lambda fb: original(fb) or seen.append(fb.attn_metadata)
+    g = torch.Generator().manual_seed(6)
+    prefix = torch.randint(3, 320, (80,), generator=g).tolist()
+    h = Harness(runner)
+    h.prefill([prefix])
+    pool = runner.req_to_token_pool
+    rows = [pool.alloc() for _ in range(8)]
+    for row in rows:
+        pool.req_to_token[row, :80] = pool.req_to_token[h.rows[0], :80]
+    suffixes = [torch.randint(3, 320, (6,), generator=g).tolist() for _ in rows]
+    hr = Harness(runner)
+    hr.extend(rows, [80] * 8, suffixes, all_logits=False)
+    hr.rows, hr.lens = rows, [86] * 8
+    logits = {}
+    for cpp in (False, True):
+        backend.cpu_kernels = cpp
+        seen.clear()
+        logits[cpp] = hr.extend(rows, [86] * 8, [[5]] * 8, all_logits=False).next_token_logits
+        (group,) = seen[0]
+        assert group.prefix_index is not None and group.token_suffix == cpp
+    assert torch.allclose(logits[False], logits[True], atol=1e-5)

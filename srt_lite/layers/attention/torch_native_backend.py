@@ -75,6 +75,11 @@ CASCADE_MAX_Q = 32
 # times the query-key pairs of padding each row's queries to the longest row (the CPU flash
 # kernel ran ~270 GFLOP/s on one [Tg * G, S] call, ~60 on 8 small padded rows).
 TOKEN_SUFFIX_GAIN = 4
+# With the C++ op a token cascade of at most this many query-key pairs in its suffix part
+# is taken whatever the padded alternative costs: the row-by-row path's ~40 Python op calls a
+# layer cost more than a few thousand pairs (W3 with default flags: 8 decode rows, ~2.5K
+# pairs; its recorded steps replayed 6% faster).
+TOKEN_SUFFIX_SMALL = 8192
 
 
 class TorchNativeAttnBackend(AttentionBackend):
@@ -136,7 +141,9 @@ class TorchNativeAttnBackend(AttentionBackend):
         shared = self._shared_prefix_len(slots, min(prefix)) if B > 1 and max_q <= CASCADE_MAX_Q else 0
         # Suffix query-key pairs when each row's queries are padded to the longest row.
         padded = B * max_q * (max_k - shared)
-        if shared >= CASCADE_MIN_PREFIX and sum(ext) * (sum(seq_lens) - B * shared) <= TOKEN_SUFFIX_GAIN * padded:
+        pairs = sum(ext) * (sum(seq_lens) - B * shared)  # the suffixes as one masked sequence
+        small = self.cpu_kernels and pairs <= TOKEN_SUFFIX_SMALL
+        if shared >= CASCADE_MIN_PREFIX and (pairs <= TOKEN_SUFFIX_GAIN * padded or small):
             return self._token_cascade(kv_index, key_valid, shared, ext, prefix)
         if cascade_only:
             # Suffix queries are padded to the longest row; the prefix part is not padded.
