@@ -138,3 +138,42 @@ def test_small_decode_groups_take_the_token_cascade_only_with_the_cpp_op(tmp_pat
         (group,) = seen[0]
         assert group.prefix_index is not None and group.token_suffix == cpp
     assert torch.allclose(logits[False], logits[True], atol=1e-5)
+
+
+def test_compiled_graph_runs_a_token_cascade_step_in_cpp_and_other_steps_in_python(tmp_path, monkeypatch):
+    """--enable-torch-compile: a step that is one token cascade runs its attention inside the
+    graph's C++ op (no Python call per layer); the steps around it (prefill, plain decode) go
+    through the Python op. Logits agree with the eager runner's."""
+    from srt_lite.layers.attention import torch_native_backend as tnb
+
+    python_calls = []
+    original = tnb._token_cascade_cpp
+    monkeypatch.setattr(tnb, "_token_cascade_cpp", lambda *a: python_calls.append(1) or original(*a))
+    path = make_tiny_model("llama", tmp_path / "llama")
+
+    def run(compile_: bool) -> list[torch.Tensor]:
+        args = ServerArgs(dtype="bfloat16", max_total_tokens=4096, enable_torch_compile=compile_)
+        runner = ModelRunner(ModelConfig.load(path), args)
+        if compile_:
+            runner.warmup(max_batch=2, max_verify=3)
+        g = torch.Generator().manual_seed(8)
+        prefix = torch.randint(3, 320, (80,), generator=g).tolist()
+        h = Harness(runner)
+        outs = [h.prefill([prefix]).next_token_logits]
+        pool = runner.req_to_token_pool
+        rows = [pool.alloc() for _ in range(3)]
+        for row in rows:
+            pool.req_to_token[row, :80] = pool.req_to_token[h.rows[0], :80]
+        hr = Harness(runner)
+        suffixes = [torch.randint(3, 320, (n,), generator=g).tolist() for n in (2, 5, 7)]
+        python_calls.clear()
+        outs.append(hr.extend(rows, [80] * 3, suffixes, all_logits=False).next_token_logits)  # a token cascade
+        cascade_python_calls = len(python_calls)
+        outs.append(Harness(runner).prefill([suffixes[2]]).next_token_logits)  # no shared prefix
+        return outs, cascade_python_calls
+
+    (eager, eager_calls), (compiled, compiled_calls) = run(False), run(True)
+    assert eager_calls == 2 and compiled_calls == 0  # 2 layers through Python, or none
+    for a, b in zip(eager, compiled):
+        assert (a.float() - b.float()).abs().max().item() < 0.1
+        assert torch.equal(a.argmax(-1), b.argmax(-1))

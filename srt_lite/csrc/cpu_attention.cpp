@@ -134,9 +134,56 @@ at::Tensor packed_linear(const at::Tensor& x, const std::optional<at::Tensor>& b
   return stack[0].toTensor();
 }
 
+// The compiled graph's attention (`srt_lite_cpu::attention`): a step whose attention is one
+// token cascade (set_cascade_step, before the forward) runs in C++ without any Python; every
+// other step goes to the Python op `srt_lite::attention` through the dispatcher.
+struct CascadeStep {
+  at::Tensor loc, suffix_index, bias, prefix_index;
+  int64_t prefix_start = -1, prefix_len = 0, num_heads = 0;
+  double scale = 1.0;
+  std::vector<at::Tensor> k_bufs, v_bufs;  // by layer id
+};
+std::optional<CascadeStep> cascade_step;
+
+void set_cascade_step(
+    const at::Tensor& loc, const at::Tensor& suffix_index, const at::Tensor& bias, int64_t prefix_start,
+    int64_t prefix_len, const at::Tensor& prefix_index, int64_t num_heads, double scale, at::TensorList k_bufs,
+    at::TensorList v_bufs) {
+  TORCH_CHECK(k_bufs.size() == v_bufs.size(), "one V buffer per K buffer");
+  cascade_step = CascadeStep{
+      loc, suffix_index, bias, prefix_index, prefix_start, prefix_len, num_heads, scale, k_bufs.vec(), v_bufs.vec()};
+}
+
+void clear_cascade_step() { cascade_step.reset(); }
+
+at::Tensor attention(const at::Tensor& q, const at::Tensor& k, const at::Tensor& v, int64_t layer_id) {
+  if (!cascade_step) {
+    static const c10::OperatorHandle fallback = c10::Dispatcher::singleton().findSchemaOrThrow("srt_lite::attention", "");
+    std::vector<c10::IValue> stack{q, k, v, layer_id};
+    fallback.callBoxed(&stack);
+    return stack[0].toTensor();
+  }
+  const CascadeStep& st = *cascade_step;
+  TORCH_CHECK(layer_id >= 0 && layer_id < static_cast<int64_t>(st.k_bufs.size()), "no KV buffer for layer ", layer_id);
+  const int64_t T = st.loc.size(0);
+  at::Tensor out = at::empty({q.size(0), q.size(1)}, q.options());  // rows past T pad the token axis
+  if (q.size(0) > T) {
+    out.narrow(0, T, q.size(0) - T).zero_();
+  }
+  cascade_attention(
+      q, k, v, st.k_bufs[layer_id], st.v_bufs[layer_id], st.loc, st.suffix_index, st.bias, st.prefix_start,
+      st.prefix_len, st.prefix_index, st.num_heads, st.scale, out);
+  return out;
+}
+
 }  // namespace
 
 TORCH_LIBRARY(srt_lite_cpu, m) {
+  m.def(
+      "set_cascade_step(Tensor loc, Tensor suffix_index, Tensor bias, int prefix_start, int prefix_len, "
+      "Tensor prefix_index, int num_heads, float scale, Tensor[] k_bufs, Tensor[] v_bufs) -> ()");
+  m.def("clear_cascade_step() -> ()");
+  m.def("attention(Tensor q, Tensor k, Tensor v, int layer_id) -> Tensor");
   m.def("register_packed_weight(Tensor weight) -> int");
   m.def("packed_linear(Tensor x, Tensor? bias, int key) -> Tensor");
   m.def(
@@ -148,7 +195,12 @@ TORCH_LIBRARY(srt_lite_cpu, m) {
 TORCH_LIBRARY_IMPL(srt_lite_cpu, CPU, m) {
   m.impl("cascade_attention", &cascade_attention);
   m.impl("packed_linear", &packed_linear);
+  m.impl("set_cascade_step", &set_cascade_step);
+  m.impl("attention", &attention);
 }
 
 // Takes no tensor that picks a backend by device.
-TORCH_LIBRARY_IMPL(srt_lite_cpu, CompositeExplicitAutograd, m) { m.impl("register_packed_weight", &register_packed_weight); }
+TORCH_LIBRARY_IMPL(srt_lite_cpu, CompositeExplicitAutograd, m) {
+  m.impl("register_packed_weight", &register_packed_weight);
+  m.impl("clear_cascade_step", &clear_cascade_step);
+}

@@ -1,6 +1,7 @@
 from __future__ import annotations
 
 import contextlib
+import functools
 from typing import TYPE_CHECKING, Iterator
 
 import torch
@@ -21,6 +22,13 @@ class RadixAttention(nn.Module):
         self.scaling = scaling
         self.num_kv_heads = num_kv_heads
         self.layer_id = layer_id
+        # Under torch.compile: the C++ op (srt_lite_cpu::attention), which runs a token-cascade
+        # step itself and hands every other step to the Python op `srt_lite::attention`.
+        self.cpp_graph_op = False
+
+    def use_cpp_graph_op(self) -> None:
+        _register_cpp_fake()
+        self.cpp_graph_op = True
 
     def forward(
         self, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, forward_batch: "ForwardBatch | None"
@@ -28,6 +36,8 @@ class RadixAttention(nn.Module):
         if torch.compiler.is_compiling():
             # Under torch.compile the batch's metadata is not a graph input: the opaque op
             # reads it from the forward context (see `compiled_forward_batch`).
+            if self.cpp_graph_op:
+                return torch.ops.srt_lite_cpu.attention(q, k, v, self.layer_id)
             return torch.ops.srt_lite.attention(q, k, v, self.layer_id)
         return attend(q, k, v, self, forward_batch)
 
@@ -72,3 +82,10 @@ def _attention_op(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, layer_id: i
 @_attention_op.register_fake
 def _(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, layer_id: int) -> torch.Tensor:
     return torch.empty_like(q)  # [T, num_heads * head_dim]
+
+
+@functools.cache
+def _register_cpp_fake() -> None:
+    @torch.library.register_fake("srt_lite_cpu::attention")
+    def _(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, layer_id: int) -> torch.Tensor:
+        return torch.empty_like(q)  # [T, num_heads * head_dim]

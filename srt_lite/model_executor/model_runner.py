@@ -94,6 +94,9 @@ class ModelRunner:
         steps ran 2.5-4% faster with it (interleaved in one process). Its cost is a C++
         compile of each graph on a cold inductor cache."""
         self.attn_layers = {m.layer_id: m for m in self.model.modules() if isinstance(m, RadixAttention)}
+        if getattr(self.attn_backend, "cpu_kernels", False):
+            for layer in self.attn_layers.values():
+                layer.use_cpp_graph_op()
         options = {"cpp_wrapper": True} if self.device == "cpu" else None
         self.compiled_body = torch.compile(self.model.model, dynamic=True, fullgraph=True, options=options)
         logger.info("torch.compile on: the first forward of each graph compiles it (minutes without a cache)")
@@ -154,7 +157,7 @@ class ModelRunner:
             positions = F.pad(positions, (0, rows - T))
         if self.compiled_body is None:
             return self.model(input_ids, positions, fb)
-        with torch.inference_mode(), compiled_forward_batch(fb, self.attn_layers):
+        with torch.inference_mode(), compiled_forward_batch(fb, self.attn_layers), self.attn_backend.compiled_step(fb, self.attn_layers):
             hidden = self.compiled_body(input_ids, positions, None)[:T]  # [T, hidden]
             return self.model.logits_processor(hidden, self.model.lm_head, fb)
 

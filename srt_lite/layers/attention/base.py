@@ -1,5 +1,6 @@
 from __future__ import annotations
 
+import contextlib
 from abc import ABC, abstractmethod
 from typing import TYPE_CHECKING
 
@@ -25,6 +26,11 @@ class AttentionBackend(ABC):
 
     @abstractmethod
     def init_forward_metadata(self, forward_batch: "ForwardBatch") -> None: ...
+
+    def compiled_step(self, forward_batch: "ForwardBatch", layers: dict) -> contextlib.AbstractContextManager:
+        """Entered around a compiled forward (after init_forward_metadata); `layers` maps layer
+        ids to the model's RadixAttention modules. Nothing by default."""
+        return contextlib.nullcontext()
 
     @abstractmethod
     def forward(

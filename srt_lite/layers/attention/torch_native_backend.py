@@ -24,6 +24,7 @@ prefix KV is then read once per layer instead of once per row.
 
 from __future__ import annotations
 
+import contextlib
 import itertools
 from dataclasses import dataclass
 from typing import TYPE_CHECKING
@@ -122,6 +123,27 @@ class TorchNativeAttnBackend(AttentionBackend):
                 group.tok_idx = torch.tensor(tok, dtype=torch.int64, device=self.device)
             groups.append(group)
         fb.attn_metadata = groups
+
+    @contextlib.contextmanager
+    def compiled_step(self, fb: "ForwardBatch", layers: dict):
+        """A step that is one token cascade runs its attention in the compiled graph's C++ op
+        (`srt_lite_cpu::attention`, see RadixAttention) with no Python per layer: the step's
+        metadata goes to C++ once here. Other steps reach the Python op from there."""
+        groups: list[AttnGroup] = fb.attn_metadata
+        pool = fb.token_to_kv_pool
+        if not (self.cpu_kernels and len(groups) == 1 and groups[0].token_suffix):
+            yield
+            return
+        g, layer = groups[0], next(iter(layers.values()))
+        torch.ops.srt_lite_cpu.set_cascade_step(
+            fb.out_cache_loc, g.kv_index, _token_bias(g, pool.dtype, layer.num_heads // layer.num_kv_heads),
+            -1 if g.prefix_start is None else g.prefix_start, g.prefix_index.shape[0], g.prefix_index,
+            layer.num_heads, layer.scaling, pool.k_buffer, pool.v_buffer,
+        )
+        try:
+            yield
+        finally:
+            torch.ops.srt_lite_cpu.clear_cascade_step()
 
     def _group(self, fb: "ForwardBatch", rows: list[int], cascade_only: bool = False) -> AttnGroup | None:
         """The group of these rows (ascending), tok_idx left None (all tokens) for the caller
