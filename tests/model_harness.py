@@ -46,7 +46,23 @@ class Harness:
         self.lens = [len(p) for p in prompts]
         return self.extend(self.rows, [0] * len(prompts), prompts)
 
+    def rows_sharing_prefix(self, n: int, length: int) -> list[int]:
+        """n new request rows whose first `length` KV slots are this harness's first row's,
+        as a radix-cache hit lays them out."""
+        pool = self.runner.req_to_token_pool
+        rows = [pool.alloc() for _ in range(n)]
+        for row in rows:
+            pool.req_to_token[row, :length] = pool.req_to_token[self.rows[0], :length]
+        return rows
+
     def decode(self, next_ids: list[int]) -> torch.Tensor:
         out = self.extend(self.rows, self.lens, [[t] for t in next_ids], all_logits=False)
         self.lens = [n + 1 for n in self.lens]
         return out.next_token_logits
+
+
+def fragment_free_list(runner: ModelRunner, seed: int) -> None:
+    """Shuffles the KV pool's free slots, as a long-running server's are: a prompt's slots
+    are then scattered instead of consecutive."""
+    free = runner.token_to_kv_pool.free_slots
+    runner.token_to_kv_pool.free_slots = free[torch.randperm(free.numel(), generator=torch.Generator().manual_seed(seed))]

@@ -10,7 +10,7 @@ import sys
 import pytest
 import torch
 
-from model_harness import Harness
+from model_harness import Harness, fragment_free_list
 from srt_lite.layers import cpu_kernels
 from srt_lite.layers.linear import PackableLinear, packed_linear
 from srt_lite.model_config import ModelConfig
@@ -34,20 +34,16 @@ def test_token_cascade_op_gives_the_torch_ops_logits_bit_for_bit(tmp_path, conse
     backend = runner.attn_backend
     assert backend.cpu_kernels and runner.pad_rows
     if not consecutive:
-        free = runner.token_to_kv_pool.free_slots
-        runner.token_to_kv_pool.free_slots = free[torch.randperm(free.numel(), generator=torch.Generator().manual_seed(1))]
+        fragment_free_list(runner, 1)
     g = torch.Generator().manual_seed(4)
     prefix = torch.randint(3, 320, (80,), generator=g).tolist()
     suffixes = [torch.randint(3, 320, (n,), generator=g).tolist() for n in (1, 4, 9, 24)]
     h = Harness(runner)
     h.prefill([prefix])
-    pool = runner.req_to_token_pool
 
     def run(cpp: bool) -> list[torch.Tensor]:
         backend.cpu_kernels = cpp
-        rows = [pool.alloc() for _ in suffixes]
-        for row in rows:
-            pool.req_to_token[row, :80] = pool.req_to_token[h.rows[0], :80]
+        rows = h.rows_sharing_prefix(len(suffixes), 80)
         hr = Harness(runner)
         out = [hr.extend(rows, [80] * 4, suffixes, all_logits=False).next_token_logits]
         hr.rows, hr.lens = rows, [80 + len(s) for s in suffixes]
@@ -122,10 +118,7 @@ def test_small_decode_groups_take_the_token_cascade_only_with_the_cpp_op(tmp_pat
     prefix = torch.randint(3, 320, (80,), generator=g).tolist()
     h = Harness(runner)
     h.prefill([prefix])
-    pool = runner.req_to_token_pool
-    rows = [pool.alloc() for _ in range(8)]
-    for row in rows:
-        pool.req_to_token[row, :80] = pool.req_to_token[h.rows[0], :80]
+    rows = h.rows_sharing_prefix(8, 80)
     suffixes = [torch.randint(3, 320, (6,), generator=g).tolist() for _ in rows]
     hr = Harness(runner)
     hr.extend(rows, [80] * 8, suffixes, all_logits=False)
@@ -160,10 +153,7 @@ def test_compiled_graph_runs_a_token_cascade_step_in_cpp_and_other_steps_in_pyth
         prefix = torch.randint(3, 320, (80,), generator=g).tolist()
         h = Harness(runner)
         outs = [h.prefill([prefix]).next_token_logits]
-        pool = runner.req_to_token_pool
-        rows = [pool.alloc() for _ in range(3)]
-        for row in rows:
-            pool.req_to_token[row, :80] = pool.req_to_token[h.rows[0], :80]
+        rows = h.rows_sharing_prefix(3, 80)
         hr = Harness(runner)
         suffixes = [torch.randint(3, 320, (n,), generator=g).tolist() for n in (2, 5, 7)]
         python_calls.clear()

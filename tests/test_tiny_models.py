@@ -7,7 +7,7 @@ import pytest
 import torch
 from transformers import AutoModelForCausalLM, LlamaConfig, Qwen2Config, Qwen3Config
 
-from model_harness import Harness
+from model_harness import Harness, fragment_free_list
 from srt_lite.model_config import ModelConfig
 from srt_lite.model_executor.model_runner import ModelRunner
 from srt_lite.server_args import ServerArgs
@@ -182,19 +182,15 @@ def test_cascade_decode_over_shared_prefix_matches_transformers(tmp_path, monkey
     runner = ModelRunner(ModelConfig.load(path), ServerArgs(dtype="float32", max_total_tokens=2048))
     assert runner.attn_backend.cpu_kernels
     runner.attn_backend.cpu_kernels = cpp
-    if not consecutive:  # a fragmented free list: the prompt's slots are scattered
-        free = runner.token_to_kv_pool.free_slots
-        runner.token_to_kv_pool.free_slots = free[torch.randperm(free.numel(), generator=torch.Generator().manual_seed(5))]
+    if not consecutive:
+        fragment_free_list(runner, 5)
     g = torch.Generator().manual_seed(2)
     prefix = torch.randint(3, 320, (80,), generator=g).tolist()
     suffixes = [torch.randint(3, 320, (n,), generator=g).tolist() for n in (1, 4, 9, 24)]
 
     h = Harness(runner)
     h.prefill([prefix])
-    pool = runner.req_to_token_pool
-    rows = [pool.alloc() for _ in suffixes]
-    for row in rows:
-        pool.req_to_token[row, :80] = pool.req_to_token[h.rows[0], :80]
+    rows = h.rows_sharing_prefix(len(suffixes), 80)
     out = h.extend(rows, [80] * len(rows), suffixes, all_logits=False)
     seqs = [prefix + s for s in suffixes]
     h.rows, h.lens = rows, [len(s) for s in seqs]

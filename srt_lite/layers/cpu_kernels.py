@@ -46,7 +46,8 @@ def _build() -> bool:
             extra_cflags=["-O2"], is_python_module=False, verbose=False,
         )
     except Exception as e:  # no compiler or ninja: the torch ops path is always there
-        logger.warning("C++ CPU kernels unavailable, using torch ops (%s)", str(e).splitlines()[0] if str(e) else type(e).__name__)
+        reason = str(e).splitlines()[0] if str(e) else type(e).__name__
+        logger.warning("C++ CPU kernels unavailable, using torch ops (%s)", reason)
         return False
     logger.info("C++ CPU kernels loaded in %.1f s", time.perf_counter() - t0)
     return True

@@ -92,7 +92,8 @@ class ModelRunner:
         Inductor's C++ wrapper (`cpp_wrapper`) calls the graph's kernels and custom ops from
         generated C++ instead of Python: a CPU step runs ~150 small calls, and W3's recorded
         steps ran 2.5-4% faster with it (interleaved in one process). Its cost is a C++
-        compile of each graph on a cold inductor cache."""
+        compile of each graph on a cold inductor cache. With the C++ CPU ops built
+        (layers/cpu_kernels.py) the graph's attention and matmuls are C++ ops too."""
         self.attn_layers = {m.layer_id: m for m in self.model.modules() if isinstance(m, RadixAttention)}
         if getattr(self.attn_backend, "cpu_kernels", False):
             for layer in self.attn_layers.values():
@@ -157,7 +158,8 @@ class ModelRunner:
             positions = F.pad(positions, (0, rows - T))
         if self.compiled_body is None:
             return self.model(input_ids, positions, fb)
-        with torch.inference_mode(), compiled_forward_batch(fb, self.attn_layers), self.attn_backend.compiled_step(fb, self.attn_layers):
+        step = self.attn_backend.compiled_step(fb, self.attn_layers)  # C++ attention state, if any
+        with torch.inference_mode(), compiled_forward_batch(fb, self.attn_layers), step:
             hidden = self.compiled_body(input_ids, positions, None)[:T]  # [T, hidden]
             return self.model.logits_processor(hidden, self.model.lm_head, fb)
 

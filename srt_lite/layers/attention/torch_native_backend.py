@@ -386,7 +386,8 @@ class TorchNativeAttnBackend(AttentionBackend):
 
 
 def _token_cascade_cpp(
-    q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, g: AttnGroup, layer: "RadixAttention", fb: "ForwardBatch", out: torch.Tensor
+    q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, g: AttnGroup, layer: "RadixAttention",
+    fb: "ForwardBatch", out: torch.Tensor,
 ) -> None:
     """The KV store and _attend_token_cascade in one C++ call (csrc/cpu_attention.cpp), the
     same kernels without ~40 Python op calls a layer; q, k, v and out may have padded rows."""
