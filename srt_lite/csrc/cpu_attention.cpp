@@ -1,19 +1,25 @@
 // CPU attention for the torch_native backend's hottest path, one call per layer and step.
 //
 // A decode or verify step over a shared prefix (W3: eight requests on one 800-token prompt)
-// runs cascade attention in every layer: store the new tokens' K/V, gather the rows'
-// suffix keys, two flash-attention calls (the shared prefix once for all queries, the
-// suffixes as one masked sequence) and a log-sum-exp merge. Written with torch's Python
-// ops that is ~40 calls a layer whose dispatch costs more than their work for a few dozen
-// tokens; here it is one call. The kernels are ATen's, so the result is bit-identical to
-// TorchNativeAttnBackend._attend_token_cascade; only the K/V row copies (a few KB) are
-// plain loops instead of index_copy_ / index_select, whose set-up dominates at this size.
-// Built on first use by srt_lite/layers/attention/cpu_kernels.py.
+// runs cascade attention in every layer: store the new tokens' K/V, one flash-attention call
+// for the shared prefix (all queries as one sequence), each row's own suffix attended
+// exactly, and a log-sum-exp merge. Written with torch's Python ops
+// (TorchNativeAttnBackend._attend_token_cascade, which attends the suffixes as one masked
+// sequence) that is ~40 calls a layer whose dispatch costs more than their work for a few
+// dozen tokens; here it is one call. The K/V row copies (a few KB) are plain loops instead of
+// index_copy_ / index_select, whose set-up dominates at this size. The suffix loops use
+// ATen's at::vec, built for AVX-512 where the CPU has it (cpu_kernels.py picks the flags).
+// Built on first use by srt_lite/layers/cpu_kernels.py.
 #include <ATen/ATen.h>
+#include <ATen/Parallel.h>
 #include <ATen/core/dispatch/Dispatcher.h>
+#include <ATen/cpu/vec/functional.h>
+#include <ATen/cpu/vec/vec.h>
 #include <torch/library.h>
 
+#include <cmath>
 #include <cstring>
+#include <limits>
 #include <mutex>
 #include <vector>
 
@@ -64,28 +70,165 @@ at::Tensor gather_rows(const at::Tensor& buf, const at::Tensor& index) {
   return out;
 }
 
+// Checks a cascade's row offsets: q_off [B + 1] and k_off [B + 1] (int64, ascending from 0)
+// split the T queries and the S suffix keys row by row, and a row has at least as many keys
+// as queries (its new tokens are the last of its suffix).
+void check_offsets(const at::Tensor& q_off, const at::Tensor& k_off, int64_t T, int64_t S) {
+  TORCH_CHECK(q_off.scalar_type() == at::kLong && k_off.scalar_type() == at::kLong && q_off.dim() == 1 &&
+      q_off.is_contiguous() && k_off.is_contiguous() && k_off.sizes() == q_off.sizes() && q_off.size(0) >= 2,
+      "row offsets: contiguous int64 [B + 1]");
+  const int64_t B = q_off.size(0) - 1;
+  const int64_t* qo = q_off.data_ptr<int64_t>();
+  const int64_t* ko = k_off.data_ptr<int64_t>();
+  TORCH_CHECK(qo[0] == 0 && ko[0] == 0 && qo[B] == T && ko[B] == S, "row offsets must span the queries and keys");
+  for (int64_t b = 0; b < B; ++b) {
+    const int64_t t = qo[b + 1] - qo[b], k = ko[b + 1] - ko[b];
+    TORCH_CHECK(t >= 1 && k >= t, "row ", b, ": ", t, " queries over ", k, " suffix keys");
+  }
+}
+
+using Vec = at::vec::Vectorized<float>;
+
+// dst[0..n) = float(src[0..n)) * mul; plain loops the compiler vectorizes.
+inline void to_float(float* dst, const float* src, int64_t n, float mul) {
+  for (int64_t i = 0; i < n; ++i) {
+    dst[i] = src[i] * mul;
+  }
+}
+
+inline void to_float(float* dst, const c10::BFloat16* src, int64_t n, float mul) {
+  const auto* bits = reinterpret_cast<const uint16_t*>(src);
+  for (int64_t i = 0; i < n; ++i) {
+    const uint32_t word = static_cast<uint32_t>(bits[i]) << 16;  // bf16 is a float's high half
+    float f;
+    std::memcpy(&f, &word, sizeof(f));
+    dst[i] = f * mul;
+  }
+}
+
+// The suffix part of a token cascade and its merge with the prefix part, for one row and
+// KV head. Each query attends to its own row's suffix keys up to its position, computed
+// here exactly (no padding, no mask: a masked flash call over all rows' suffixes did ~B times
+// the work), and is merged with its prefix output o_pre / lse_pre by log-sum-exp.
+// Scratch: kt [kp / W, D, W] (the keys in blocks of W = the vector width, each block
+// transposed so one vector op scores W keys; kp = k rounded up to W), vf [k, D], s [kp].
+// T: the q / KV / out dtype. Loops keep four independent accumulators, since one FMA chain
+// waits on its own latency.
+template <typename T>
+void suffix_row(
+    const at::Tensor& q, const at::Tensor& k_buf, const at::Tensor& v_buf, const int64_t* slots, int64_t q0,
+    int64_t nq, int64_t k, int64_t h, int64_t G, float scale, const at::Tensor& o_pre, const at::Tensor& lse_pre,
+    at::Tensor& out, float* kt, float* vf, float* s) {
+  const int64_t D = k_buf.size(2), Hkv = k_buf.size(1), W = Vec::size(), kp = (k + W - 1) / W * W;
+  const T* kb = k_buf.data_ptr<T>();
+  const T* vb = v_buf.data_ptr<T>();
+  float row_buf[256];  // [D]; D <= 256 is checked by the caller
+  for (int64_t j = 0; j < kp; ++j) {
+    float* blk = kt + (j / W) * D * W + j % W;
+    if (j < k) {
+      to_float(row_buf, kb + (slots[j] * Hkv + h) * D, D, 1.f);
+      to_float(vf + j * D, vb + (slots[j] * Hkv + h) * D, D, 1.f);
+    } else {
+      std::memset(row_buf, 0, D * sizeof(float));  // padding keys score 0, then are masked
+    }
+    for (int64_t d = 0; d < D; ++d) {
+      blk[d * W] = row_buf[d];
+    }
+  }
+  const T* qp = q.data_ptr<T>();
+  T* op = out.data_ptr<T>();
+  const T* pre = o_pre.data_ptr<T>();
+  const float* lse = lse_pre.data_ptr<float>();
+  const float neg_inf = -std::numeric_limits<float>::infinity();
+  float qf[256], pre_f[256], acc[256];  // [D]
+  for (int64_t i = 0; i < nq; ++i) {
+    const int64_t tok = q0 + i, n = k - nq + i + 1;  // keys visible to the row's i-th query
+    const int64_t np = (n + W - 1) / W * W;
+    for (int64_t g = 0; g < G; ++g) {
+      const int64_t head = h * G + g, row = tok * G + g;  // row: the query's index in KV head h
+      to_float(qf, qp + tok * q.stride(0) + head * D, D, scale);
+      for (int64_t jb = 0; jb < np; jb += W) {
+        const float* blk = kt + jb * D;
+        Vec a0(0.f), a1(0.f), a2(0.f), a3(0.f);
+        for (int64_t d = 0; d < D; d += 4) {
+          a0 = at::vec::fmadd(Vec(qf[d]), Vec::loadu(blk + d * W), a0);
+          a1 = at::vec::fmadd(Vec(qf[d + 1]), Vec::loadu(blk + (d + 1) * W), a1);
+          a2 = at::vec::fmadd(Vec(qf[d + 2]), Vec::loadu(blk + (d + 2) * W), a2);
+          a3 = at::vec::fmadd(Vec(qf[d + 3]), Vec::loadu(blk + (d + 3) * W), a3);
+        }
+        ((a0 + a1) + (a2 + a3)).store(s + jb);
+      }
+      for (int64_t j = n; j < np; ++j) {
+        s[j] = neg_inf;  // past the query's position, or padding
+      }
+      Vec vmax(neg_inf);
+      for (int64_t jb = 0; jb < np; jb += W) {
+        vmax = at::vec::maximum(vmax, Vec::loadu(s + jb));
+      }
+      const float m = at::vec::vec_reduce_all<float>([](Vec& x, Vec& y) { return at::vec::maximum(x, y); }, vmax);
+      Vec vsum(0.f);
+      for (int64_t jb = 0; jb < np; jb += W) {
+        const Vec e = (Vec::loadu(s + jb) - Vec(m)).exp_u20();
+        e.store(s + jb);
+        vsum = vsum + e;
+      }
+      const float l = at::vec::vec_reduce_all<float>([](Vec& x, Vec& y) { return x + y; }, vsum);
+      for (int64_t d = 0; d < D; d += W) {
+        Vec a0(0.f), a1(0.f), a2(0.f), a3(0.f);
+        const float* vd = vf + d;
+        int64_t j = 0;
+        for (; j + 4 <= n; j += 4) {
+          a0 = at::vec::fmadd(Vec(s[j]), Vec::loadu(vd + j * D), a0);
+          a1 = at::vec::fmadd(Vec(s[j + 1]), Vec::loadu(vd + (j + 1) * D), a1);
+          a2 = at::vec::fmadd(Vec(s[j + 2]), Vec::loadu(vd + (j + 2) * D), a2);
+          a3 = at::vec::fmadd(Vec(s[j + 3]), Vec::loadu(vd + (j + 3) * D), a3);
+        }
+        for (; j < n; ++j) {
+          a0 = at::vec::fmadd(Vec(s[j]), Vec::loadu(vd + j * D), a0);
+        }
+        ((a0 + a1) + (a2 + a3)).store(acc + d);
+      }
+      // Softmax over both key sets: the prefix's share of the mass is sigmoid(lse_pre - lse_suf).
+      const float lse_suf = m + std::log(l);
+      const float w_pre = 1.f / (1.f + std::exp(lse_suf - lse[h * lse_pre.stride(1) + row * lse_pre.stride(2)]));
+      const float w_suf = (1.f - w_pre) / l;
+      to_float(pre_f, pre + h * o_pre.stride(1) + row * o_pre.stride(2), D, w_pre);
+      T* dst = op + tok * out.stride(0) + head * D;
+      for (int64_t d = 0; d < D; ++d) {
+        dst[d] = static_cast<T>(pre_f[d] + w_suf * acc[d]);
+      }
+    }
+  }
+}
+
 // One layer of cascade attention for T query tokens (a batch's short rows over a prefix
 // they all share). q [>= T, H * D], k and v [>= T, Hkv * D] (rows past T only pad the
 // token axis), stored at slots loc [T] of k_buf / v_buf [N, Hkv, D]. The prefix is
 // prefix_len slots starting at prefix_start, or the slots prefix_index [Lp] when
-// prefix_start < 0; suffix_index [S] lists every row's own slots, and bias [1, 1, T * G, S]
-// (0 / -inf, query row t * G + g) keeps each query on its own row's keys up to its
-// position. Writes the result into out [>= T, H * D] (rows T.. are left as they are).
+// prefix_start < 0; suffix_index [S] lists every row's own slots, row after row, and
+// q_off / k_off [B + 1] where each row's queries and suffix keys start (check_offsets).
+// Writes the result into out [>= T, H * D] (rows T.. are left as they are).
 void cascade_attention(
     const at::Tensor& q, const at::Tensor& k, const at::Tensor& v, at::Tensor k_buf, at::Tensor v_buf,
-    const at::Tensor& loc, const at::Tensor& suffix_index, const at::Tensor& bias, int64_t prefix_start,
-    int64_t prefix_len, const at::Tensor& prefix_index, int64_t num_heads, double scale, at::Tensor out) {
+    const at::Tensor& loc, const at::Tensor& suffix_index, const at::Tensor& q_off, const at::Tensor& k_off,
+    int64_t prefix_start, int64_t prefix_len, const at::Tensor& prefix_index, int64_t num_heads, double scale,
+    at::Tensor out) {
   const int64_t T = loc.size(0), Hkv = k_buf.size(1), D = k_buf.size(2), G = num_heads / Hkv;
-  TORCH_CHECK(k_buf.dim() == 3 && v_buf.sizes() == k_buf.sizes() && num_heads % Hkv == 0, "KV buffers [N, Hkv, D]");
-  TORCH_CHECK(q.size(0) >= T && q.size(1) == num_heads * D && out.size(0) >= T && out.size(1) == num_heads * D, "q / out [T, H * D]");
+  TORCH_CHECK(k_buf.dim() == 3 && v_buf.sizes() == k_buf.sizes() && k_buf.is_contiguous() && v_buf.is_contiguous() &&
+      num_heads % Hkv == 0, "KV buffers: contiguous [N, Hkv, D]");
+  TORCH_CHECK(q.size(0) >= T && q.size(1) == num_heads * D && q.stride(1) == 1 && out.size(0) >= T &&
+      out.size(1) == num_heads * D && out.stride(1) == 1, "q / out [T, H * D] with contiguous rows");
+  const at::ScalarType dtype = q.scalar_type();
+  TORCH_CHECK((dtype == at::kBFloat16 || dtype == at::kFloat) && k_buf.scalar_type() == dtype &&
+      out.scalar_type() == dtype && D % Vec::size() == 0 && D <= 256, "bf16 or fp32 throughout, head_dim a multiple of ",
+      Vec::size(), " up to 256");
+  const int64_t S = suffix_index.size(0);
+  check_offsets(q_off, k_off, T, S);
+  check_ids(suffix_index, S, k_buf.size(0));
   store_rows(k_buf, loc, k, T);
   store_rows(v_buf, loc, v, T);
-  // Query row t * G + g of KV head h is head h * G + g of token t.
+  // Prefix: every query (row t * G + g of KV head h is head h * G + g of token t) sees it all.
   at::Tensor q_seq = q.narrow(0, 0, T).view({T, Hkv, G, D}).transpose(0, 1).reshape({1, Hkv, T * G, D});
-  const int64_t S = suffix_index.size(0);
-  at::Tensor k_suf = gather_rows(k_buf, suffix_index).view({1, S, Hkv, D}).transpose(1, 2);  // [1, Hkv, S, D]
-  at::Tensor v_suf = gather_rows(v_buf, suffix_index).view({1, S, Hkv, D}).transpose(1, 2);
-  auto [o_suf, lse_suf] = at::_scaled_dot_product_flash_attention_for_cpu(q_seq, k_suf, v_suf, 0.0, false, bias, scale);
   at::Tensor k_pre, v_pre;
   if (prefix_start >= 0) {
     k_pre = k_buf.narrow(0, prefix_start, prefix_len);
@@ -97,10 +240,27 @@ void cascade_attention(
   k_pre = k_pre.view({1, prefix_len, Hkv, D}).transpose(1, 2);  // [1, Hkv, Lp, D]
   v_pre = v_pre.view({1, prefix_len, Hkv, D}).transpose(1, 2);
   auto [o_pre, lse_pre] = at::_scaled_dot_product_flash_attention_for_cpu(q_seq, k_pre, v_pre, 0.0, false, std::nullopt, scale);
-  // Softmax over both key sets: the prefix's share of the mass is sigmoid(lse_pre - lse_suf).
-  at::Tensor w_pre = at::sigmoid(lse_pre - lse_suf).view({Hkv, T, G, 1}).to(o_suf.scalar_type());
-  at::Tensor dst = out.narrow(0, 0, T).view({T, Hkv, G, D}).transpose(0, 1);  // [Hkv, T, G, D]
-  at::lerp_out(dst, o_suf.view({Hkv, T, G, D}), o_pre.view({Hkv, T, G, D}), w_pre);
+  TORCH_CHECK(o_pre.stride(3) == 1 && lse_pre.scalar_type() == at::kFloat, "flash output layout");
+  // Suffixes, merged into out: one task per (row, KV head).
+  const int64_t B = q_off.size(0) - 1;
+  const int64_t* qo = q_off.data_ptr<int64_t>();
+  const int64_t* ko = k_off.data_ptr<int64_t>();
+  const int64_t* slots = suffix_index.data_ptr<int64_t>();
+  int64_t max_k = 0;
+  for (int64_t b = 0; b < B; ++b) {
+    max_k = std::max(max_k, ko[b + 1] - ko[b]);
+  }
+  at::parallel_for(0, B * Hkv, 1, [&](int64_t begin, int64_t end) {
+    const int64_t kp = (max_k + Vec::size() - 1) / Vec::size() * Vec::size();
+    std::vector<float> scratch((2 * D + 1) * kp);  // kt [D, kp], vf [k, D], s [kp]
+    for (int64_t task = begin; task < end; ++task) {
+      const int64_t b = task / Hkv, h = task % Hkv;
+      auto* row = dtype == at::kBFloat16 ? &suffix_row<c10::BFloat16> : &suffix_row<float>;
+      row(
+          q, k_buf, v_buf, slots + ko[b], qo[b], qo[b + 1] - qo[b], ko[b + 1] - ko[b], h, G, static_cast<float>(scale),
+          o_pre, lse_pre, out, scratch.data(), scratch.data() + D * kp, scratch.data() + 2 * D * kp);
+    }
+  });
 }
 
 // oneDNN-packed weights by key (PackableLinear.pack_for_cpu), held weakly: the layer owns
@@ -138,7 +298,7 @@ at::Tensor packed_linear(const at::Tensor& x, const std::optional<at::Tensor>& b
 // token cascade (set_cascade_step, before the forward) runs in C++ without any Python; every
 // other step goes to the Python op `srt_lite::attention` through the dispatcher.
 struct CascadeStep {
-  at::Tensor loc, suffix_index, bias, prefix_index;
+  at::Tensor loc, suffix_index, q_off, k_off, prefix_index;
   int64_t prefix_start = -1, prefix_len = 0, num_heads = 0;
   double scale = 1.0;
   std::vector<at::Tensor> k_bufs, v_bufs;  // by layer id
@@ -146,12 +306,13 @@ struct CascadeStep {
 std::optional<CascadeStep> cascade_step;
 
 void set_cascade_step(
-    const at::Tensor& loc, const at::Tensor& suffix_index, const at::Tensor& bias, int64_t prefix_start,
+    const at::Tensor& loc, const at::Tensor& suffix_index, const at::Tensor& q_off, const at::Tensor& k_off,
+    int64_t prefix_start,
     int64_t prefix_len, const at::Tensor& prefix_index, int64_t num_heads, double scale, at::TensorList k_bufs,
     at::TensorList v_bufs) {
   TORCH_CHECK(k_bufs.size() == v_bufs.size(), "one V buffer per K buffer");
   cascade_step = CascadeStep{
-      loc, suffix_index, bias, prefix_index, prefix_start, prefix_len, num_heads, scale, k_bufs.vec(), v_bufs.vec()};
+      loc, suffix_index, q_off, k_off, prefix_index, prefix_start, prefix_len, num_heads, scale, k_bufs.vec(), v_bufs.vec()};
 }
 
 void clear_cascade_step() { cascade_step.reset(); }
@@ -171,7 +332,7 @@ at::Tensor attention(const at::Tensor& q, const at::Tensor& k, const at::Tensor&
     out.narrow(0, T, q.size(0) - T).zero_();
   }
   cascade_attention(
-      q, k, v, st.k_bufs[layer_id], st.v_bufs[layer_id], st.loc, st.suffix_index, st.bias, st.prefix_start,
+      q, k, v, st.k_bufs[layer_id], st.v_bufs[layer_id], st.loc, st.suffix_index, st.q_off, st.k_off, st.prefix_start,
       st.prefix_len, st.prefix_index, st.num_heads, st.scale, out);
   return out;
 }
@@ -180,7 +341,7 @@ at::Tensor attention(const at::Tensor& q, const at::Tensor& k, const at::Tensor&
 
 TORCH_LIBRARY(srt_lite_cpu, m) {
   m.def(
-      "set_cascade_step(Tensor loc, Tensor suffix_index, Tensor bias, int prefix_start, int prefix_len, "
+      "set_cascade_step(Tensor loc, Tensor suffix_index, Tensor q_off, Tensor k_off, int prefix_start, int prefix_len, "
       "Tensor prefix_index, int num_heads, float scale, Tensor[] k_bufs, Tensor[] v_bufs) -> ()");
   m.def("clear_cascade_step() -> ()");
   m.def("attention(Tensor q, Tensor k, Tensor v, int layer_id) -> Tensor");
@@ -188,7 +349,7 @@ TORCH_LIBRARY(srt_lite_cpu, m) {
   m.def("packed_linear(Tensor x, Tensor? bias, int key) -> Tensor");
   m.def(
       "cascade_attention(Tensor q, Tensor k, Tensor v, Tensor(a!) k_buf, Tensor(b!) v_buf, Tensor loc, "
-      "Tensor suffix_index, Tensor bias, int prefix_start, int prefix_len, Tensor prefix_index, int num_heads, "
+      "Tensor suffix_index, Tensor q_off, Tensor k_off, int prefix_start, int prefix_len, Tensor prefix_index, int num_heads, "
       "float scale, Tensor(c!) out) -> ()");
 }
 

@@ -21,6 +21,13 @@ logger = logging.getLogger(__name__)
 
 SOURCE = os.path.join(os.path.dirname(os.path.dirname(__file__)), "csrc", "cpu_attention.cpp")
 _loaded: bool | None = None
+# Compiler flags by torch's CPU capability, so at::vec in the source gets the vector width
+# ATen's own kernels use on this CPU (as ATen builds its AVX-512 kernels); without an entry
+# at::vec is its portable version. The capability is part of the build directory's name.
+VEC_FLAGS = {
+    "AVX512": ["-mavx512f", "-mavx512bw", "-mavx512vl", "-mavx512dq", "-mfma",
+               "-DCPU_CAPABILITY=AVX512", "-DCPU_CAPABILITY_AVX512"],
+}
 
 
 def load() -> bool:
@@ -39,11 +46,13 @@ def _build() -> bool:
         from torch.utils import cpp_extension
 
         _ninja_on_path()
-        build_dir = os.path.join(cache_root(), "torch_extensions", f"cpu_ops-torch{torch.__version__}")
+        capability = torch.backends.cpu.get_cpu_capability()
+        build_dir = os.path.join(cache_root(), "torch_extensions", f"cpu_ops-torch{torch.__version__}-{capability}")
         os.makedirs(build_dir, exist_ok=True)
         cpp_extension.load(
             name="srt_lite_cpu", sources=[SOURCE], build_directory=build_dir,
-            extra_cflags=["-O2"], is_python_module=False, verbose=False,
+            extra_cflags=["-O3", "-fopenmp", *VEC_FLAGS.get(capability, [])], extra_ldflags=["-fopenmp"],
+            is_python_module=False, verbose=False,
         )
     except Exception as e:  # no compiler or ninja: the torch ops path is always there
         reason = str(e).splitlines()[0] if str(e) else type(e).__name__
