@@ -181,3 +181,15 @@ def test_compiled_graph_runs_a_token_cascade_step_in_cpp_and_other_steps_in_pyth
     for a, b in zip(eager, compiled):
         assert (a.float() - b.float()).abs().max().item() < 0.1
         assert torch.equal(a.argmax(-1), b.argmax(-1))
+
+
+def test_cascade_op_only_for_the_dtypes_and_head_sizes_it_computes():
+    """Other models keep the torch-ops cascade instead of failing the C++ op's checks."""
+    from types import SimpleNamespace
+
+    from srt_lite.layers.attention.torch_native_backend import _cpp_cascade_ok
+
+    layer = lambda d: SimpleNamespace(head_dim=d)  # noqa: E731
+    assert _cpp_cascade_ok(layer(64), torch.bfloat16) and _cpp_cascade_ok(layer(128), torch.float32)
+    assert not _cpp_cascade_ok(layer(64), torch.float16)
+    assert not _cpp_cascade_ok(layer(72), torch.bfloat16) and not _cpp_cascade_ok(layer(512), torch.bfloat16)

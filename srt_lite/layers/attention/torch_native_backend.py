@@ -85,8 +85,13 @@ TOKEN_SUFFIX_GAIN = 4
 # layer cost more than a few thousand pairs (W3 with default flags: 8 decode rows, ~2.5K
 # pairs; its recorded steps replayed 6% faster).
 TOKEN_SUFFIX_SMALL = 8192
-# Dtypes the C++ cascade op computes in (q, KV pool and output alike).
+# Dtypes the C++ cascade op computes in (q, KV pool and output alike), and the head sizes
+# its vector loops take (a multiple of the widest vector, 16 floats, up to 256).
 CPP_DTYPES = (torch.bfloat16, torch.float32)
+
+
+def _cpp_cascade_ok(layer: "RadixAttention", dtype: torch.dtype) -> bool:
+    return dtype in CPP_DTYPES and layer.head_dim % 16 == 0 and layer.head_dim <= 256
 
 
 class TorchNativeAttnBackend(AttentionBackend):
@@ -138,10 +143,12 @@ class TorchNativeAttnBackend(AttentionBackend):
         metadata goes to C++ once here. Other steps reach the Python op from there."""
         groups: list[AttnGroup] = fb.attn_metadata
         pool = fb.token_to_kv_pool
-        if not (self.cpu_kernels and len(groups) == 1 and groups[0].token_suffix and pool.dtype in CPP_DTYPES):
+        layer = next(iter(layers.values()))
+        one_cascade = len(groups) == 1 and groups[0].token_suffix
+        if not (self.cpu_kernels and one_cascade and _cpp_cascade_ok(layer, pool.dtype)):
             yield
             return
-        g, layer = groups[0], next(iter(layers.values()))
+        g = groups[0]
         torch.ops.srt_lite_cpu.set_cascade_step(
             fb.out_cache_loc, g.kv_index, g.q_offsets, g.k_offsets,
             -1 if g.prefix_start is None else g.prefix_start, g.prefix_index.shape[0], g.prefix_index,
@@ -264,7 +271,10 @@ class TorchNativeAttnBackend(AttentionBackend):
         out = q.new_empty(rows, H * D)
         if rows != T:
             out[T:].zero_()
-        if len(groups) == 1 and groups[0].token_suffix and self.cpu_kernels and pool.dtype == q.dtype in CPP_DTYPES:
+        if (
+            len(groups) == 1 and groups[0].token_suffix and self.cpu_kernels
+            and pool.dtype == q.dtype and _cpp_cascade_ok(layer, q.dtype)
+        ):
             _token_cascade_cpp(q, k, v, groups[0], layer, fb, out)
             return out
         if rows != T:  # rows past T pad the token axis to a row bucket: no KV, zero output
