@@ -252,7 +252,7 @@ void cascade_attention(
   }
   at::parallel_for(0, B * Hkv, 1, [&](int64_t begin, int64_t end) {
     const int64_t kp = (max_k + Vec::size() - 1) / Vec::size() * Vec::size();
-    std::vector<float> scratch((2 * D + 1) * kp);  // kt [D, kp], vf [k, D], s [kp]
+    std::vector<float> scratch((2 * D + 1) * kp);  // kt [kp / W, D, W], vf [k, D], s [kp]
     for (int64_t task = begin; task < end; ++task) {
       const int64_t b = task / Hkv, h = task % Hkv;
       auto* row = dtype == at::kBFloat16 ? &suffix_row<c10::BFloat16> : &suffix_row<float>;
