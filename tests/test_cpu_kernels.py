@@ -147,6 +147,37 @@ def test_small_decode_groups_take_the_token_cascade_only_with_the_cpp_op(tmp_pat
     assert torch.allclose(logits[False], logits[True], atol=1e-5)
 
 
+def test_long_suffixes_take_the_padded_path_with_the_cpp_op(tmp_path):
+    """4 rows of 16 new tokens, each over 120-150 tokens of its own after an 80-token shared
+    prefix: the C++ loop's exact pairs (~9.7K) are above TOKEN_SUFFIX_SMALL and not 4x fewer
+    than the padded ones (~10.6K), where padded flash is faster, so the C++ op is not taken;
+    without it the masked sequence (~38.6K pairs, under 4x padded) is. The logits agree
+    either way (fp32)."""
+    path = make_tiny_model("llama", tmp_path / "llama")
+    runner = ModelRunner(ModelConfig.load(path), ServerArgs(dtype="float32", max_total_tokens=4096))
+    backend = runner.attn_backend
+    seen = []
+    original = backend.init_forward_metadata
+    backend.init_forward_metadata = lambda fb: original(fb) or seen.append(fb.attn_metadata)
+    g = torch.Generator().manual_seed(7)
+    prefix = torch.randint(3, 320, (80,), generator=g).tolist()
+    h = Harness(runner)
+    h.prefill([prefix])
+    rows = h.rows_sharing_prefix(4, 80)
+    own = [torch.randint(3, 320, (n,), generator=g).tolist() for n in (140, 130, 120, 150)]
+    hr = Harness(runner)
+    hr.extend(rows, [80] * 4, own, all_logits=False)
+    new = [torch.randint(3, 320, (16,), generator=g).tolist() for _ in rows]
+    logits = {}
+    for cpp in (False, True):
+        backend.cpu_kernels = cpp
+        seen.clear()
+        logits[cpp] = hr.extend(rows, [80 + len(o) for o in own], new, all_logits=True).all_logits
+        (group,) = seen[0]
+        assert group.prefix_index is not None and group.token_suffix != cpp
+    assert torch.allclose(logits[False], logits[True], atol=1e-5)
+
+
 def test_compiled_graph_runs_a_token_cascade_step_in_cpp_and_other_steps_in_python(tmp_path, monkeypatch):
     """--enable-torch-compile: a step that is one token cascade runs its attention inside the
     graph's C++ op (no Python call per layer); the steps around it (prefill, plain decode) go

@@ -78,12 +78,14 @@ VERIFY_MAX_Q = 16
 CASCADE_MAX_Q = 32
 # A cascade's suffixes are attended as one masked sequence when that has at most this many
 # times the query-key pairs of padding each row's queries to the longest row (the CPU flash
-# kernel ran ~270 GFLOP/s on one [Tg * G, S] call, ~60 on 8 small padded rows).
+# kernel ran ~270 GFLOP/s on one [Tg * G, S] call, ~60 on 8 small padded rows). With the C++
+# op, whose suffix loop computes only each row's own pairs, when those are this many times
+# fewer than the padded ones.
 TOKEN_SUFFIX_GAIN = 4
-# With the C++ op a token cascade of at most this many query-key pairs in its suffix part
-# is taken whatever the padded alternative costs: the row-by-row path's ~40 Python op calls a
-# layer cost more than a few thousand pairs (W3 with default flags: 8 decode rows, ~2.5K
-# pairs; its recorded steps replayed 6% faster).
+# ...or, with the C++ op, when its exact suffix pairs are at most this many, whatever padding
+# would cost: below it the padded path's Python op calls cost more than the loop (one layer at
+# 8 rows of 4 tokens with 50 own keys: C++ 387 us, padded flash + prefix 326 us before ~80 us
+# of Python; at ~13K pairs the padded flash is twice as fast).
 TOKEN_SUFFIX_SMALL = 8192
 # Dtypes the C++ cascade op computes in (q, KV pool and output alike), and the head sizes
 # its vector loops take (a multiple of the widest vector, 16 floats, up to 256).
@@ -119,8 +121,10 @@ class TorchNativeAttnBackend(AttentionBackend):
         # prefix) go together: one cascade group reads the prefix once for all their queries.
         short = [b for b in range(fb.batch_size) if ext[b] <= CASCADE_MAX_Q and prefix[b] > 0]
         rest = list(range(fb.batch_size))
+        # The C++ cascade op runs a step whose attention is one token cascade group.
+        cpp = self.cpu_kernels and fb.token_to_kv_pool.dtype in CPP_DTYPES
         if len(short) > 1 and len(set(kind(b) for b in short)) > 1:
-            cascade = self._group(fb, short, cascade_only=True)
+            cascade = self._group(fb, short, cascade_only=True, cpp=cpp and len(short) == fb.batch_size)
             if cascade is not None:
                 parts.append((short, cascade))
                 rest = [b for b in rest if b not in set(short)]
@@ -129,7 +133,7 @@ class TorchNativeAttnBackend(AttentionBackend):
         starts = [0, *itertools.accumulate(ext)]
         groups = []
         for rows, group in parts:
-            group = group or self._group(fb, rows)
+            group = group or self._group(fb, rows, cpp=cpp and len(parts) == 1)
             if len(parts) > 1:
                 tok = [t for b in rows for t in range(starts[b], starts[b + 1])]
                 group.tok_idx = torch.tensor(tok, dtype=torch.int64, device=self.device)
@@ -159,10 +163,13 @@ class TorchNativeAttnBackend(AttentionBackend):
         finally:
             torch.ops.srt_lite_cpu.clear_cascade_step()
 
-    def _group(self, fb: "ForwardBatch", rows: list[int], cascade_only: bool = False) -> AttnGroup | None:
+    def _group(
+        self, fb: "ForwardBatch", rows: list[int], cascade_only: bool = False, cpp: bool = False
+    ) -> AttnGroup | None:
         """The group of these rows (ascending), tok_idx left None (all tokens) for the caller
         to set. With cascade_only, None unless they share a prefix worth a cascade and
-        padding every row to the longest one wastes little."""
+        padding every row to the longest one wastes little. cpp: a token cascade of these
+        rows would run in the C++ op (the step's only group)."""
         ext = [fb.extend_seq_lens_cpu[b] for b in rows]
         prefix = [fb.extend_prefix_lens_cpu[b] for b in rows]
         seq_lens = [p + e for p, e in zip(prefix, ext)]
@@ -177,13 +184,16 @@ class TorchNativeAttnBackend(AttentionBackend):
         shared = self._shared_prefix_len(slots, min(prefix)) if B > 1 and max_q <= CASCADE_MAX_Q else 0
         # Suffix query-key pairs when each row's queries are padded to the longest row.
         padded = B * max_q * (max_k - shared)
-        pairs = sum(ext) * (sum(seq_lens) - B * shared)  # the suffixes as one masked sequence
-        small = self.cpu_kernels and pairs <= TOKEN_SUFFIX_SMALL
-        if shared >= CASCADE_MIN_PREFIX and (pairs <= TOKEN_SUFFIX_GAIN * padded or small):
+        exact = sum(e * (k - shared) for e, k in zip(ext, seq_lens))  # each row's own suffix pairs
+        if cpp:
+            token = exact <= TOKEN_SUFFIX_SMALL or TOKEN_SUFFIX_GAIN * exact <= padded
+        else:  # the suffixes as one masked sequence
+            token = sum(ext) * (sum(seq_lens) - B * shared) <= TOKEN_SUFFIX_GAIN * padded
+        if shared >= CASCADE_MIN_PREFIX and token:
             return self._token_cascade(kv_index, key_valid, shared, ext, prefix)
         if cascade_only:
             # Suffix queries are padded to the longest row; the prefix part is not padded.
-            useful = sum(e * (k - shared) for e, k in zip(ext, seq_lens)) + shared * sum(ext)
+            useful = exact + shared * sum(ext)
             if shared < CASCADE_MIN_PREFIX or padded > useful:
                 return None
         if max_q == 1:
