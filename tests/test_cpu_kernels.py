@@ -118,10 +118,23 @@ def test_disabled_by_environment():
     assert out.stdout.strip() == "False"
 
 
-def test_small_decode_groups_take_the_token_cascade_only_with_the_cpp_op(tmp_path):
-    """8 decode rows with equal suffixes over a shared prefix: one masked suffix sequence has
-    ~8x the pairs of padding each row (the ratio rule says row by row), but it is small, so
-    with the C++ op it is taken; the logits agree either way (fp32)."""
+@pytest.mark.parametrize(
+    "own,new_tokens,token_with_cpp",
+    [
+        # 8 decode rows with 6 own tokens each: one masked suffix sequence has ~8x the pairs
+        # of padding each row (the ratio rule says row by row), but the C++ loop's exact
+        # pairs are few, so with the C++ op the token cascade is taken.
+        ((6,) * 8, 1, True),
+        # 4 rows of 16 new tokens over 120-150 own tokens each: the C++ loop's exact pairs
+        # (~9.7K) are above TOKEN_SUFFIX_SMALL and not 4x fewer than the padded ones (~10.6K),
+        # where padded flash is faster, so the C++ op is not taken; without it the masked
+        # sequence (~38.6K pairs, under 4x padded) is.
+        ((140, 130, 120, 150), 16, False),
+    ],
+)
+def test_token_cascade_choice_with_and_without_the_cpp_op(tmp_path, own, new_tokens, token_with_cpp):
+    """Rows over an 80-token shared prefix; the step's single group is a token cascade or
+    not as the rule for each path says, and the logits agree either way (fp32)."""
     path = make_tiny_model("llama", tmp_path / "llama")
     runner = ModelRunner(ModelConfig.load(path), ServerArgs(dtype="float32", max_total_tokens=4096))
     backend = runner.attn_backend
@@ -132,49 +145,18 @@ def test_small_decode_groups_take_the_token_cascade_only_with_the_cpp_op(tmp_pat
     prefix = torch.randint(3, 320, (80,), generator=g).tolist()
     h = Harness(runner)
     h.prefill([prefix])
-    rows = h.rows_sharing_prefix(8, 80)
-    suffixes = [torch.randint(3, 320, (6,), generator=g).tolist() for _ in rows]
+    rows = h.rows_sharing_prefix(len(own), 80)
+    own_ids = [torch.randint(3, 320, (n,), generator=g).tolist() for n in own]
     hr = Harness(runner)
-    hr.extend(rows, [80] * 8, suffixes, all_logits=False)
-    hr.rows, hr.lens = rows, [86] * 8
+    hr.extend(rows, [80] * len(own), own_ids, all_logits=False)
+    new = [torch.randint(3, 320, (new_tokens,), generator=g).tolist() for _ in rows]
     logits = {}
     for cpp in (False, True):
         backend.cpu_kernels = cpp
         seen.clear()
-        logits[cpp] = hr.extend(rows, [86] * 8, [[5]] * 8, all_logits=False).next_token_logits
+        logits[cpp] = hr.extend(rows, [80 + n for n in own], new, all_logits=True).all_logits
         (group,) = seen[0]
-        assert group.prefix_index is not None and group.token_suffix == cpp
-    assert torch.allclose(logits[False], logits[True], atol=1e-5)
-
-
-def test_long_suffixes_take_the_padded_path_with_the_cpp_op(tmp_path):
-    """4 rows of 16 new tokens, each over 120-150 tokens of its own after an 80-token shared
-    prefix: the C++ loop's exact pairs (~9.7K) are above TOKEN_SUFFIX_SMALL and not 4x fewer
-    than the padded ones (~10.6K), where padded flash is faster, so the C++ op is not taken;
-    without it the masked sequence (~38.6K pairs, under 4x padded) is. The logits agree
-    either way (fp32)."""
-    path = make_tiny_model("llama", tmp_path / "llama")
-    runner = ModelRunner(ModelConfig.load(path), ServerArgs(dtype="float32", max_total_tokens=4096))
-    backend = runner.attn_backend
-    seen = []
-    original = backend.init_forward_metadata
-    backend.init_forward_metadata = lambda fb: original(fb) or seen.append(fb.attn_metadata)
-    g = torch.Generator().manual_seed(7)
-    prefix = torch.randint(3, 320, (80,), generator=g).tolist()
-    h = Harness(runner)
-    h.prefill([prefix])
-    rows = h.rows_sharing_prefix(4, 80)
-    own = [torch.randint(3, 320, (n,), generator=g).tolist() for n in (140, 130, 120, 150)]
-    hr = Harness(runner)
-    hr.extend(rows, [80] * 4, own, all_logits=False)
-    new = [torch.randint(3, 320, (16,), generator=g).tolist() for _ in rows]
-    logits = {}
-    for cpp in (False, True):
-        backend.cpu_kernels = cpp
-        seen.clear()
-        logits[cpp] = hr.extend(rows, [80 + len(o) for o in own], new, all_logits=True).all_logits
-        (group,) = seen[0]
-        assert group.prefix_index is not None and group.token_suffix != cpp
+        assert group.prefix_index is not None and group.token_suffix == (token_with_cpp if cpp else not token_with_cpp)
     assert torch.allclose(logits[False], logits[True], atol=1e-5)
 
 
