@@ -96,6 +96,7 @@ def banner(server_args: ServerArgs, served_name: str, model_dir: str, info) -> s
         "srt_lite is ready",
         f"  model        {served_name}  ({model_dir})",
         f"  dtype        {info.dtype} on {info.device}, tensor parallel {server_args.tp_size}",
+        f"  compute      linears: {info.linear_path}; CPU {info.cpu}",
         f"  KV cache     {info.max_total_num_tokens} tokens",
         f"  max context  {info.max_context_len} tokens",
         f"  URL          {url}  (OpenAI API: {url}/v1)",

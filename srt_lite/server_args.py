@@ -140,7 +140,10 @@ class ServerArgs:
         "Runtime", choices=["auto", "torch_native", "flashinfer"],
     )
     disable_weight_packing: bool = _arg(
-        False, "On a bfloat16 CPU, call plain F.linear instead of weights prepacked for oneDNN.", "Runtime"
+        False,
+        "On a bfloat16 CPU, call plain F.linear instead of weights prepacked for oneDNN (or, "
+        "where oneDNN has no bf16, the C++ bf16 kernel).",
+        "Runtime",
     )
     disable_cuda_graph: bool = _arg(
         False, "On CUDA, run decode steps eagerly instead of replaying captured CUDA graphs.", "Runtime"

@@ -1,6 +1,7 @@
-"""The C++ CPU ops (srt_lite/csrc/cpu_attention.cpp): the token cascade matches the torch
-ops' logits, the compiled graph's packed linear gives their result bit for bit, and bad input
-raises."""
+"""The C++ CPU ops (srt_lite/csrc/*.cpp): the token cascade matches the torch ops' logits,
+the compiled graph's packed linear gives their result bit for bit, the bf16-weight linear
+matches the fp32 product, and bad input raises. Built for this CPU's level (cpu_caps);
+`make test` runs this module again with the level capped at AVX2."""
 
 from __future__ import annotations
 
@@ -12,12 +13,20 @@ import pytest
 import torch
 
 from model_harness import Harness, fragment_free_list
+from srt_lite import cpu_caps
 from srt_lite.layers import cpu_kernels
-from srt_lite.layers.linear import PackableLinear, packed_linear
+from srt_lite.layers.linear import PATH_PACKED, PackableLinear, packed_linear
 from srt_lite.model_config import ModelConfig
 from srt_lite.model_executor.model_runner import ModelRunner
 from srt_lite.server_args import ServerArgs
 from test_tiny_models import make_tiny_model
+
+
+pytestmark = pytest.mark.cpu_caps
+
+# oneDNN packs bf16 weights only where it computes bf16 (AVX-512, AVX-NE-CONVERT, ARM BF16);
+# fp32 weights it packs everywhere, so the packed-op tests use those on other CPUs.
+PACK_DTYPE = torch.bfloat16 if cpu_caps.get().onednn_bf16 else torch.float32
 
 
 @pytest.fixture(scope="module", autouse=True)
@@ -35,7 +44,7 @@ def test_token_cascade_op_matches_the_torch_ops_logits(tmp_path, consecutive, dt
     path = make_tiny_model("llama", tmp_path / "llama")
     runner = ModelRunner(ModelConfig.load(path), ServerArgs(dtype=dtype, max_total_tokens=4096))
     backend = runner.attn_backend
-    assert backend.cpu_kernels and (runner.pad_rows or dtype == "float32")  # bf16 packs, fp32 does not
+    assert backend.cpu_kernels and runner.pad_rows == (runner.linear_path == PATH_PACKED)
     if not consecutive:
         fragment_free_list(runner, 1)
     g = torch.Generator().manual_seed(4)
@@ -64,12 +73,12 @@ def test_token_cascade_op_matches_the_torch_ops_logits(tmp_path, consecutive, dt
 def test_packed_linear_op_equals_the_python_product():
     torch.manual_seed(0)
     layer = PackableLinear()
-    layer.weight = torch.nn.Parameter(torch.randn(96, 64, dtype=torch.bfloat16), requires_grad=False)
+    layer.weight = torch.nn.Parameter(torch.randn(96, 64, dtype=PACK_DTYPE), requires_grad=False)
     layer.pack_for_cpu()
     assert layer.cpp_key >= 0
-    bias = torch.randn(96, dtype=torch.bfloat16)
+    bias = torch.randn(96, dtype=PACK_DTYPE)
     for n in (1, 5, 16, 48):
-        x = torch.randn(n, 64, dtype=torch.bfloat16)
+        x = torch.randn(n, 64, dtype=PACK_DTYPE)
         for b in (None, bias):
             got = torch.ops.srt_lite_cpu.packed_linear(x, b, layer.cpp_key)
             assert got.shape == (n, 96)
@@ -78,15 +87,47 @@ def test_packed_linear_op_equals_the_python_product():
 
 def test_a_freed_weight_or_unknown_key_raises_instead_of_crashing():
     layer = PackableLinear()
-    layer.weight = torch.nn.Parameter(torch.randn(8, 8, dtype=torch.bfloat16), requires_grad=False)
+    layer.weight = torch.nn.Parameter(torch.randn(8, 8, dtype=PACK_DTYPE), requires_grad=False)
     layer.pack_for_cpu()
     key = layer.cpp_key
-    x = torch.randn(2, 8, dtype=torch.bfloat16)
+    x = torch.randn(2, 8, dtype=PACK_DTYPE)
     del layer  # the op holds the packed weight weakly
     with pytest.raises(RuntimeError, match="freed"):
         torch.ops.srt_lite_cpu.packed_linear(x, None, key)
     with pytest.raises(RuntimeError, match="no packed weight"):
         torch.ops.srt_lite_cpu.packed_linear(x, None, 10**6)
+
+
+@pytest.mark.parametrize("x_dtype", [torch.bfloat16, torch.float32])
+def test_bf16_linear_matches_the_fp32_product(x_dtype):
+    """Both of its strategies (weight-streaming kernel up to `rows` rows, widened fp32 matmul
+    above), at row counts on and off its tiles, output counts that are not a multiple of its
+    4-row blocks and an input size with a tail past the vector width, with and without
+    bias: fp32 accumulation, so it agrees with the fp32 product of the same bf16 values to
+    float rounding (and, for bf16 output, to one bf16 rounding)."""
+    g = torch.Generator().manual_seed(3)
+    N, K = 203, 83
+    w = torch.randn(N, K, generator=g).bfloat16()
+    bias = torch.randn(N, generator=g).bfloat16()
+    for M in (1, 2, 3, 5, 16, 17, 40):
+        x = torch.randn(M, K, generator=g).to(x_dtype)
+        for b in (None, bias):
+            want = torch.nn.functional.linear(x.float(), w.float(), None if b is None else b.float())
+            for rows in (0, 16, 64):  # 0: every M takes the widened matmul
+                got = torch.ops.srt_lite_cpu.bf16_linear(x, w, b, rows)
+                assert got.dtype == x_dtype and got.shape == (M, N) and got.is_contiguous()
+                tol = 1e-2 if x_dtype == torch.bfloat16 else 1e-4
+                torch.testing.assert_close(got.float(), want, rtol=tol, atol=tol)
+
+
+def test_bf16_linear_rejects_bad_shapes_and_dtypes():
+    w = torch.randn(8, 16).bfloat16()
+    with pytest.raises(RuntimeError, match="x must be"):
+        torch.ops.srt_lite_cpu.bf16_linear(torch.randn(2, 15), w, None, 16)
+    with pytest.raises(RuntimeError, match="weight must be"):
+        torch.ops.srt_lite_cpu.bf16_linear(torch.randn(2, 16), w.float(), None, 16)
+    with pytest.raises(RuntimeError, match="bias must be"):
+        torch.ops.srt_lite_cpu.bf16_linear(torch.randn(2, 16), w, torch.randn(7), 16)
 
 
 @pytest.mark.parametrize(

@@ -7,7 +7,7 @@ import torch
 
 from conftest import chat_ids
 from model_harness import Harness
-from srt_lite.layers.linear import EXACT_ROWS, bucketed_rows
+from srt_lite.layers.linear import EXACT_ROWS, PATH_PACKED, bucketed_rows
 from srt_lite.model_config import ModelConfig
 from srt_lite.model_executor.model_runner import ModelRunner
 from srt_lite.server_args import ServerArgs
@@ -85,8 +85,11 @@ def test_greedy_chat_equals_transformers_generate(runner_fp32, hf_model, tokeniz
         assert mine[b][:cut] == ref, (CHATS[b], tokenizer.decode(mine[b]), tokenizer.decode(ref))
 
 
-def test_capital_of_france_in_default_dtype(default_model_config, tokenizer):
-    runner = ModelRunner(default_model_config, ServerArgs(max_total_tokens=1024))
+@pytest.mark.cpu_caps
+@pytest.mark.parametrize("dtype", ["auto", "bfloat16", "float32"])
+def test_capital_of_france_in_every_dtype(default_model_config, tokenizer, dtype):
+    """Each dtype runs on any CPU, through the linear path this CPU has."""
+    runner = ModelRunner(default_model_config, ServerArgs(dtype=dtype, max_total_tokens=1024))
     ids = chat_ids(tokenizer, "What is the capital of France?")
     h = Harness(runner)
     logits = h.prefill([ids]).next_token_logits
@@ -118,13 +121,16 @@ def test_cached_prefix_plus_extend_equals_from_scratch(runner_fp32, tokenizer):
     assert torch.equal(tail.argmax(-1), full[split:].argmax(-1))
 
 
+@pytest.mark.cpu_caps
 def test_token_axis_padding_leaves_logits_and_kv_unchanged(default_model_config, tokenizer):
-    """bf16 on the CPU: ModelRunner pads a step's tokens once to the packed linears' row
-    bucket. The padding rows must write no KV and never reach the logits: with and without
-    it (each linear then pads for itself) the prefill's logits, and those of a following
-    step that reads the prefill's KV, are bit-identical."""
-    runner = ModelRunner(default_model_config, ServerArgs(max_total_tokens=1024))
-    assert runner.pad_rows
+    """bf16 on the CPU: where the linears are packed for oneDNN, ModelRunner pads a step's
+    tokens once to their row bucket. The padding rows must write no KV and never reach the
+    logits: with and without it (each packed linear then pads for itself) the prefill's
+    logits, and those of a following step that reads the prefill's KV, are bit-identical.
+    On a CPU whose bf16 linears are not packed the runner does not pad; the same padding is
+    then switched on by hand and must leave the logits as they are all the same."""
+    runner = ModelRunner(default_model_config, ServerArgs(dtype="bfloat16", max_total_tokens=1024))
+    assert runner.pad_rows == (runner.linear_path == PATH_PACKED)
     prompts = [tokenizer.encode(p) for p in PROMPTS]
     more = [tokenizer.encode(" and then, after a long while, it")[:7] for _ in prompts]
     for step in (prompts, more):

@@ -9,8 +9,12 @@ import time
 
 import httpx
 import pytest
+import torch
 
 from server_utils import ServerProcess
+from srt_lite import cpu_caps
+from srt_lite.layers.linear import cpu_linear_path
+from srt_lite.utils import resolve_dtype
 
 
 @pytest.fixture(scope="module")
@@ -156,7 +160,25 @@ def test_startup_banner_and_progress_lines(server):
     assert "srt_lite is ready" in log
     assert "  KV cache     8192 tokens" in log
     assert "  max context  8192 tokens" in log
-    assert "  dtype        bfloat16 on cpu, tensor parallel 1" in log
+    dtype = resolve_dtype("auto", "cpu")
+    assert f"  dtype        {str(dtype).removeprefix('torch.')} on cpu, tensor parallel 1" in log
+    assert f"  compute      linears: {cpu_linear_path(dtype)}; CPU {cpu_caps.get().describe()}" in log
     assert f"  URL          http://127.0.0.1:{port}  (OpenAI API: http://127.0.0.1:{port}/v1)" in log
     # Not a terminal: progress is plain log lines (weights, then warm-up).
     assert re.search(r"Loading weights: (\d+)/\1 done", log) and re.search(r"Warming up: (\d+)/\1 done", log)
+
+
+@pytest.mark.cpu_caps
+@pytest.mark.parametrize("dtype", ["bfloat16", "float32"])
+def test_every_dtype_starts_and_answers(dtype):
+    """Whatever this CPU can do (make test repeats this capped at AVX2), each dtype starts,
+    reports the linear path it chose, and answers a chat question greedily."""
+    with ServerProcess("--max-total-tokens", "2048", "--dtype", dtype) as s:
+        info = httpx.get(s.base_url + "/get_server_info", timeout=10).json()
+        assert info["dtype"] == dtype and info["linear_path"] == cpu_linear_path(getattr(torch, dtype))
+        assert info["cpu"] == cpu_caps.get().describe()
+        r = post(s, "/v1/chat/completions", {
+            "messages": [{"role": "user", "content": "What is the capital of France?"}],
+            "temperature": 0, "max_tokens": 24,
+        })
+        assert r.status_code == 200 and "Paris" in r.json()["choices"][0]["message"]["content"]

@@ -1,9 +1,9 @@
-"""The C++ CPU ops (srt_lite/csrc/cpu_attention.cpp), built on first use.
+"""The C++ CPU ops (srt_lite/csrc/*.cpp), built on first use.
 
 torch.utils.cpp_extension compiles them with the machine's C++ compiler (the one inductor's
 C++ wrapper uses) into the srt_lite cache, once per machine and torch version (~10-40 s),
-and registers `torch.ops.srt_lite_cpu.*`: the attention backend's cascade step and the
-compiled graph's packed linear. Without a compiler, or with SRT_LITE_DISABLE_CPU_KERNELS=1,
+and registers `torch.ops.srt_lite_cpu.*`: the attention backend's cascade step, the
+compiled graph's packed linear and the bf16-weight linear for CPUs where oneDNN refuses bf16. Without a compiler, or with SRT_LITE_DISABLE_CPU_KERNELS=1,
 `load()` returns False and the callers keep their torch ops.
 """
 
@@ -15,18 +15,23 @@ import time
 
 import torch
 
+from srt_lite import cpu_caps
 from srt_lite.utils import cache_root
 
 logger = logging.getLogger(__name__)
 
-SOURCE = os.path.join(os.path.dirname(os.path.dirname(__file__)), "csrc", "cpu_attention.cpp")
+_CSRC = os.path.join(os.path.dirname(os.path.dirname(__file__)), "csrc")
+SOURCES = [os.path.join(_CSRC, name) for name in ("cpu_attention.cpp", "cpu_linear.cpp")]
 _loaded: bool | None = None
-# Compiler flags by torch's CPU capability, so at::vec in the source gets the vector width
-# ATen's own kernels use on this CPU (as ATen builds its AVX-512 kernels); without an entry
-# at::vec is its portable version. The capability is part of the build directory's name.
+# Compiler flags by CPU level (srt_lite.cpu_caps), so at::vec in the sources gets the vector
+# width ATen's own kernels use on this CPU (as ATen builds its AVX2 and AVX-512 kernels).
+# Without an entry (ARM and other CPUs) at::vec is its portable version, which is NEON on
+# aarch64. The level is part of the build directory's name, so a forced lower level builds
+# its own copy.
 VEC_FLAGS = {
-    "AVX512": ["-mavx512f", "-mavx512bw", "-mavx512vl", "-mavx512dq", "-mfma",
+    "avx512": ["-mavx512f", "-mavx512bw", "-mavx512vl", "-mavx512dq", "-mfma", "-mf16c",
                "-DCPU_CAPABILITY=AVX512", "-DCPU_CAPABILITY_AVX512"],
+    "avx2": ["-mavx2", "-mfma", "-mf16c", "-DCPU_CAPABILITY=AVX2", "-DCPU_CAPABILITY_AVX2"],
 }
 
 
@@ -46,19 +51,19 @@ def _build() -> bool:
         from torch.utils import cpp_extension
 
         _ninja_on_path()
-        capability = torch.backends.cpu.get_cpu_capability()
-        build_dir = os.path.join(cache_root(), "torch_extensions", f"cpu_ops-torch{torch.__version__}-{capability}")
+        level = cpu_caps.get().level
+        build_dir = os.path.join(cache_root(), "torch_extensions", f"cpu_ops-torch{torch.__version__}-{level}")
         os.makedirs(build_dir, exist_ok=True)
         cpp_extension.load(
-            name="srt_lite_cpu", sources=[SOURCE], build_directory=build_dir,
-            extra_cflags=["-O3", "-fopenmp", *VEC_FLAGS.get(capability, [])], extra_ldflags=["-fopenmp"],
+            name="srt_lite_cpu", sources=SOURCES, build_directory=build_dir,
+            extra_cflags=["-O3", "-fopenmp", *VEC_FLAGS.get(level, [])], extra_ldflags=["-fopenmp"],
             is_python_module=False, verbose=False,
         )
     except Exception as e:  # no compiler or ninja: the torch ops path is always there
         reason = str(e).splitlines()[0] if str(e) else type(e).__name__
         logger.warning("C++ CPU kernels unavailable, using torch ops (%s)", reason)
         return False
-    logger.info("C++ CPU kernels loaded in %.1f s", time.perf_counter() - t0)
+    logger.info("C++ CPU kernels (%s) loaded in %.1f s", level, time.perf_counter() - t0)
     return True
 
 

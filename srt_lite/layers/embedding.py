@@ -7,7 +7,7 @@ import torch.nn.functional as F
 from torch import nn
 
 from srt_lite.distributed import get_tp_rank, get_tp_size, tp_all_gather, tp_all_reduce
-from srt_lite.layers.linear import pack_weight, packed_linear
+from srt_lite.layers.linear import bf16_kernel_linear, pack_weight, packed_linear
 from srt_lite.model_loader.weight_utils import TensorSource, read_narrow
 
 
@@ -24,6 +24,7 @@ class VocabParallelEmbedding(nn.Module):
         self.weight = nn.Parameter(torch.zeros(self.vocab_per_rank, hidden_size), requires_grad=False)
         self.weight.weight_loader = self.weight_loader
         self.packed_weight: torch.Tensor | None = None  # the LM head's copy, see pack_for_cpu
+        self.bf16_kernel = False  # the LM head through the C++ bf16 kernel, see use_bf16_kernel
 
     def weight_loader(self, param: nn.Parameter, src: TensorSource, shard_id=None) -> None:
         n = self.vocab_end - self.vocab_start
@@ -46,9 +47,15 @@ class VocabParallelEmbedding(nn.Module):
         transposing copy)."""
         self.packed_weight = pack_weight(self.weight.data)
 
+    def use_bf16_kernel(self) -> None:
+        """bfloat16 on a CPU where oneDNN has no bf16: the LM head's product as the linears'."""
+        self.bf16_kernel = True
+
     def compute_logits(self, hidden: torch.Tensor) -> torch.Tensor:
         """[tokens, hidden] -> [tokens, vocab] float32 logits."""
-        if self.packed_weight is not None:
+        if self.bf16_kernel:
+            logits = bf16_kernel_linear(hidden, self.weight, None).float()
+        elif self.packed_weight is not None:
             logits = packed_linear(hidden, self.packed_weight, None).float()
         else:
             logits = F.linear(hidden, self.weight).float()

@@ -15,6 +15,7 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
+from srt_lite import cpu_caps
 from srt_lite.distributed import get_tp_rank, get_tp_size, tp_all_reduce
 from srt_lite.layers import cpu_kernels
 from srt_lite.model_loader.weight_utils import TensorSource, read_narrow
@@ -55,19 +56,50 @@ def packed_linear(x: torch.Tensor, packed_weight: torch.Tensor, bias: torch.Tens
     return torch.ops.mkldnn._linear_pointwise(x, packed_weight, bias, "none", [], "")[:n]
 
 
+# How a CPU model's linears (and LM head) compute, chosen once per model by cpu_linear_path().
+PATH_TORCH = "torch"  # F.linear: fp32 (MKL/oneDNN), fp16, or bf16 without a better path
+PATH_PACKED = "onednn-packed"  # bf16 weights prepacked once for oneDNN (where it runs bf16)
+PATH_BF16_KERNEL = "bf16-kernel"  # bf16 weights, fp32 math in srt_lite_cpu::bf16_linear
+# Rows up to which bf16_linear runs its weight-streaming kernel; above, a widened fp32 copy
+# and the fp32 matmul are faster (on AVX2 the two are level at about 16 rows).
+BF16_KERNEL_ROWS = 16
+
+
+def cpu_linear_path(dtype: torch.dtype, disable_packing: bool = False) -> str:
+    """The fastest linear path that runs on this CPU for `dtype` weights. oneDNN's bf16
+    needs AVX-512 (or AVX-NE-CONVERT, or ARM BF16): elsewhere it refuses bf16 weights, and
+    torch's own bf16 matmul is a slow reference loop beyond one row, so bf16 weights go
+    through the C++ kernel, or F.linear when it is not built."""
+    if dtype != torch.bfloat16 or disable_packing:
+        return PATH_TORCH
+    if cpu_caps.get().onednn_bf16:
+        return PATH_PACKED
+    return PATH_BF16_KERNEL if cpu_kernels.load() else PATH_TORCH
+
+
+def bf16_kernel_linear(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None) -> torch.Tensor:
+    """x [n, in] -> [n, out] with bf16 weight [out, in], fp32 accumulation (PATH_BF16_KERNEL)."""
+    return torch.ops.srt_lite_cpu.bf16_linear(x, weight, bias, BF16_KERNEL_ROWS)
+
+
 class PackableLinear(nn.Module):
-    """y = x W^T (+ b), optionally through a weight prepacked for oneDNN.
+    """y = x W^T (+ b), through the CPU linear path the model runner chose.
 
     On a CPU in bfloat16, F.linear hands oneDNN a plain weight that it reorders into its
     blocked layout on every call; for the small M of decode steps that reorder costs more
     than the product itself (a 1 x 576 x 3072 product ran at ~8 GB/s). pack_for_cpu() does
-    the reorder once after loading; the results are bit-identical to F.linear.
+    the reorder once after loading; the results are bit-identical to F.linear. Where oneDNN
+    has no bf16, use_bf16_kernel() sends the product to the C++ bf16 kernel instead.
     """
 
     weight: nn.Parameter
     packed_weight: torch.Tensor | None = None
     packed_key: int = -1  # index in _PACKED, for the compiled graph's opaque op
     cpp_key: int = -1  # the weight's key for srt_lite_cpu::packed_linear (C++), if built
+    bf16_kernel: bool = False
+
+    def use_bf16_kernel(self) -> None:
+        self.bf16_kernel = True
 
     def pack_for_cpu(self) -> None:
         out_features = self.weight.shape[0]
@@ -83,6 +115,8 @@ class PackableLinear(nn.Module):
             _register_cpp_fake()
 
     def matmul(self, x: torch.Tensor, bias: torch.Tensor | None) -> torch.Tensor:
+        if self.bf16_kernel:
+            return bf16_kernel_linear(x, self.weight, bias)
         if self.packed_weight is None:
             return F.linear(x, self.weight, bias)
         if torch.compiler.is_compiling():
@@ -115,17 +149,27 @@ _CPP_OUT_FEATURES: dict[int, int] = {}
 
 @functools.cache
 def _register_cpp_fake() -> None:
+    """Shape functions of the C++ linears, for torch.compile's tracing."""
+
     @torch.library.register_fake("srt_lite_cpu::packed_linear")
     def _(x: torch.Tensor, bias: torch.Tensor | None, key: int) -> torch.Tensor:
         return x.new_empty(x.shape[0], _CPP_OUT_FEATURES[key])  # [T, out_features]
 
+    @torch.library.register_fake("srt_lite_cpu::bf16_linear")
+    def _(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None, rows: int) -> torch.Tensor:
+        return x.new_empty(x.shape[0], weight.shape[0])  # [T, out_features]
 
-def pack_linears_for_cpu(model: nn.Module) -> None:
-    """Prepacks every linear of a bfloat16 CPU model, and the LM head's weight (the
-    embedding, see VocabParallelEmbedding.pack_for_cpu)."""
+
+def prepare_linears_for_cpu(model: nn.Module, path: str) -> None:
+    """Readies every linear of a CPU model, and the LM head (the embedding, see
+    VocabParallelEmbedding), for `path`: prepacked for oneDNN, or the C++ bf16 kernel."""
+    if path == PATH_BF16_KERNEL:
+        _register_cpp_fake()  # for torch.compile, before any graph is traced
     for m in model.modules():
-        if hasattr(m, "pack_for_cpu"):
+        if path == PATH_PACKED and hasattr(m, "pack_for_cpu"):
             m.pack_for_cpu()
+        elif path == PATH_BF16_KERNEL and hasattr(m, "use_bf16_kernel"):
+            m.use_bf16_kernel()
 
 
 class ColumnParallelLinear(PackableLinear):

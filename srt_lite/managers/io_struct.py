@@ -119,6 +119,8 @@ class SchedulerReady:
     vocab_size: int
     device: str
     dtype: str
+    linear_path: str = ""  # how the linears compute (model_runner.linear_path)
+    cpu: str = ""  # cpu_caps.get().describe()
 
 
 _REGISTRY: dict[str, type] = {

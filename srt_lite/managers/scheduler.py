@@ -19,6 +19,7 @@ from typing import Any
 import torch
 import zmq
 
+from srt_lite import cpu_caps
 from srt_lite.layers.linear import EXACT_ROWS
 from srt_lite.managers import io_struct
 from srt_lite.managers.io_struct import (
@@ -132,6 +133,8 @@ class Scheduler:
             vocab_size=self.model_config.vocab_size,
             device=runner.device,
             dtype=str(runner.dtype).removeprefix("torch."),
+            linear_path=runner.linear_path,
+            cpu=cpu_caps.get().describe(),
         )
 
     # ---- loop --------------------------------------------------------------------------

@@ -11,7 +11,8 @@ import torch.nn.functional as F
 from srt_lite.distributed import get_tp_rank, get_tp_size
 from srt_lite.layers.attention import create_attention_backend
 from srt_lite.layers.attention.flashinfer_backend import FlashInferAttnBackend
-from srt_lite.layers.linear import bucketed_rows, pack_linears_for_cpu
+from srt_lite import cpu_caps
+from srt_lite.layers.linear import PATH_PACKED, bucketed_rows, cpu_linear_path, prepare_linears_for_cpu
 from srt_lite.layers.logits_processor import LogitsProcessorOutput
 from srt_lite.layers.radix_attention import RadixAttention, compiled_forward_batch
 from srt_lite.mem_cache.memory_pool import ReqToTokenPool, TokenToKVPool
@@ -73,13 +74,15 @@ class ModelRunner:
         self.weight_bytes = sum(p.numel() * p.element_size() for p in self.model.parameters())
         # Packed linears run at bucketed row counts; forward() pads the tokens once for them.
         self.pad_rows = False
-        if self.device == "cpu" and self.dtype == torch.bfloat16 and not self.server_args.disable_weight_packing:
-            pack_linears_for_cpu(self.model)
-            self.pad_rows = True
+        self.linear_path = "cuda" if self.device.startswith("cuda") else self.device
+        if self.device == "cpu":
+            self.linear_path = cpu_linear_path(self.dtype, self.server_args.disable_weight_packing)
+            prepare_linears_for_cpu(self.model, self.linear_path)
+            self.pad_rows = self.linear_path == PATH_PACKED
         logger.info(
-            "Loaded %s (%.1f MB, %s, %s) in %.1f s",
-            cls.__name__, self.weight_bytes / 2**20, self.dtype, self.device,
-            time.perf_counter() - t0,
+            "Loaded %s (%.1f MB, %s, %s, linears: %s; CPU %s) in %.1f s",
+            cls.__name__, self.weight_bytes / 2**20, self.dtype, self.device, self.linear_path,
+            cpu_caps.get().describe(), time.perf_counter() - t0,
         )
 
     def init_torch_compile(self) -> None:

@@ -1,0 +1,146 @@
+"""What this CPU can do, decided once per process; every CPU fast path asks here.
+
+The levels, from best to most portable:
+- `avx512`: AVX-512 F/BW/VL/DQ (ATen's AVX512 kernels); oneDNN runs bf16 here, natively with
+  AVX512-BF16 or AMX, emulated without.
+- `avx2`: AVX2 + FMA + F16C (most laptops and many cloud VMs); oneDNN refuses bf16 weights here.
+- `default`: anything else, ARM included: ATen's portable `at::vec` (NEON on aarch64).
+
+`SRT_LITE_CPU_CAPS=avx2` (or `default`) caps the level below what the CPU has, so that a
+better machine runs and tests the lower paths. The variable is also turned into torch's own
+knobs (`ATEN_CPU_CAPABILITY`, `ONEDNN_MAX_CPU_ISA`, `MKL_ENABLE_INSTRUCTIONS`) by
+`export_forced_env()`, which srt_lite/__init__.py calls before torch is imported, so that
+oneDNN refuses what it would refuse on such a CPU and child processes inherit the cap.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import functools
+import logging
+import os
+import platform
+
+logger = logging.getLogger(__name__)
+
+FORCE_ENV = "SRT_LITE_CPU_CAPS"
+LEVELS = ("default", "avx2", "avx512")
+# torch's, oneDNN's and MKL's names for each level, used when a lower level is forced.
+_TORCH_KNOBS = {
+    "avx2": {"ATEN_CPU_CAPABILITY": "avx2", "ONEDNN_MAX_CPU_ISA": "AVX2", "MKL_ENABLE_INSTRUCTIONS": "AVX2"},
+    "default": {"ATEN_CPU_CAPABILITY": "default", "ONEDNN_MAX_CPU_ISA": "SSE41", "MKL_ENABLE_INSTRUCTIONS": "SSE4_2"},
+}
+
+
+@dataclasses.dataclass(frozen=True)
+class CpuCaps:
+    arch: str  # platform.machine(): x86_64, aarch64, arm64, ...
+    level: str  # one of LEVELS: what srt_lite's own vector code is built for
+    avx2: bool
+    avx512: bool  # F, BW, VL and DQ together
+    avx512_bf16: bool
+    amx_bf16: bool
+    arm_bf16: bool  # aarch64 BF16 instructions (Graviton 3, Apple M2 and later)
+    onednn_bf16: bool  # oneDNN takes bf16 weights (prepacking, bf16 matmul)
+    forced: str | None  # the SRT_LITE_CPU_CAPS cap, if any
+
+    @property
+    def is_x86(self) -> bool:
+        return self.arch in ("x86_64", "amd64", "AMD64", "i686", "i386")
+
+    @property
+    def is_arm(self) -> bool:
+        return self.arch in ("aarch64", "arm64")
+
+    @property
+    def native_bf16(self) -> bool:
+        """bf16 dot products in hardware (not converted to fp32 first)."""
+        return self.avx512_bf16 or self.amx_bf16 or self.arm_bf16
+
+    def describe(self) -> str:
+        """One line for the start-up banner and /get_server_info."""
+        names = [n for n, on in (("avx2", self.avx2), ("avx512", self.avx512), ("avx512_bf16", self.avx512_bf16),
+                                 ("amx_bf16", self.amx_bf16), ("arm_bf16", self.arm_bf16)) if on]
+        forced = f", capped by {FORCE_ENV}={self.forced}" if self.forced else ""
+        return f"{self.arch} {self.level} ({' '.join(names) or 'no vector extensions'}{forced})"
+
+    def as_dict(self) -> dict:
+        return dataclasses.asdict(self) | {"native_bf16": self.native_bf16}
+
+
+def forced_level() -> str | None:
+    value = os.environ.get(FORCE_ENV, "").strip().lower()
+    if not value:
+        return None
+    if value not in LEVELS:
+        raise ValueError(f"{FORCE_ENV}={value!r}: choose one of {', '.join(LEVELS)}")
+    return value
+
+
+def export_forced_env() -> None:
+    """With a forced level, sets torch's own capability knobs (unless the user set them) so
+    that ATen, oneDNN and MKL behave as on such a CPU. It must run before torch first
+    dispatches a kernel to take effect in this process; children always inherit it."""
+    level = forced_level()
+    for key, value in _TORCH_KNOBS.get(level or "", {}).items():
+        os.environ.setdefault(key, value)
+
+
+def _cpu_flags() -> set[str]:
+    """The kernel's feature flags (x86 `flags`, ARM `Features`); empty where unreadable."""
+    try:
+        with open("/proc/cpuinfo") as f:
+            for line in f:
+                if line.startswith(("flags", "Features")):
+                    return set(line.split(":", 1)[1].split())
+    except OSError:
+        pass
+    return set()
+
+
+def _onednn_bf16() -> bool:
+    """oneDNN's own answer (it also honours ONEDNN_MAX_CPU_ISA)."""
+    import torch
+
+    try:
+        return bool(torch.backends.mkldnn.is_available() and torch.ops.mkldnn._is_mkldnn_bf16_supported())
+    except (AttributeError, RuntimeError):
+        return False
+
+
+def detect(flags: set[str] | None = None, arch: str | None = None, forced: str | None = None,
+           onednn_bf16: bool | None = None) -> CpuCaps:
+    """The capabilities from CPU flags, capped at `forced`. Arguments stand in for the
+    machine in tests; by default they are read from it."""
+    flags = _cpu_flags() if flags is None else flags
+    arch = platform.machine() if arch is None else arch
+    x86 = arch in ("x86_64", "amd64", "AMD64", "i686", "i386")
+    avx2 = x86 and {"avx2", "fma", "f16c"} <= flags
+    avx512 = avx2 and {"avx512f", "avx512bw", "avx512vl", "avx512dq"} <= flags
+    level = "avx512" if avx512 else "avx2" if avx2 else "default"
+    if forced is not None and LEVELS.index(forced) < LEVELS.index(level):
+        level = forced
+    caps = CpuCaps(
+        arch=arch,
+        level=level,
+        avx2=avx2 and level != "default",
+        avx512=avx512 and level == "avx512",
+        avx512_bf16=level == "avx512" and "avx512_bf16" in flags,
+        amx_bf16=level == "avx512" and "amx_bf16" in flags,
+        arm_bf16=arch in ("aarch64", "arm64") and "bf16" in flags,
+        onednn_bf16=False,
+        forced=forced,
+    )
+    # oneDNN decides for itself (an AVX2 CPU with AVX-NE-CONVERT runs bf16 too); a forced
+    # lower level refuses it even if ONEDNN_MAX_CPU_ISA came too late for this process.
+    capped = forced is not None and forced != "avx512"
+    bf16 = not capped and (_onednn_bf16() if onednn_bf16 is None else onednn_bf16)
+    return dataclasses.replace(caps, onednn_bf16=bf16)
+
+
+@functools.lru_cache(maxsize=1)
+def get() -> CpuCaps:
+    """This process's capabilities (read once)."""
+    caps = detect(forced=forced_level())
+    logger.debug("CPU capabilities: %s", caps)
+    return caps

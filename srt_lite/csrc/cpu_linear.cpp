@@ -1,0 +1,182 @@
+// bf16 weights on CPUs where oneDNN refuses bf16 (AVX2 without AVX-NE-CONVERT, and others).
+//
+// There torch's bf16 matmul falls back to a reference loop that is ~10x slower than fp32
+// beyond one row, yet bf16 weights are worth keeping: decode reads every weight once per
+// step, and bf16 halves those bytes. This op keeps the weights in bf16 and computes in fp32
+// (accumulation in fp32, as oneDNN's bf16 path does):
+// - few rows (decode, verify): each thread widens a block of weight rows to fp32 in a small
+//   scratch that stays in cache and runs an at::vec micro-kernel over all input rows, so the
+//   weight is read from memory once, at 2 bytes an element;
+// - many rows (prefill): chunks of the weight are widened into an fp32 buffer and the fp32
+//   matmul runs on them; the widening is small next to the product's arithmetic.
+// Built with cpu_attention.cpp into one extension by srt_lite/layers/cpu_kernels.py.
+#include <ATen/ATen.h>
+#include <ATen/Parallel.h>
+#include <ATen/cpu/vec/functional.h>
+#include <ATen/cpu/vec/vec.h>
+#include <torch/library.h>
+
+#include <algorithm>
+#include <cstdint>
+#include <cstring>
+#include <vector>
+
+namespace {
+
+using Vec = at::vec::Vectorized<float>;
+
+// Weight rows widened together by the micro-kernel, and input rows it takes at once: 4 x 2
+// accumulators plus the loaded vectors fit the 16 registers of AVX2.
+constexpr int64_t kWRows = 4;
+constexpr int64_t kXRows = 2;
+
+// dst[i] = float(src[i]); a bf16 is the high half of a float, so this is a shift that the
+// compiler vectorises for the target's flags.
+inline void widen(const c10::BFloat16* src, float* dst, int64_t n) {
+  const uint16_t* s = reinterpret_cast<const uint16_t*>(src);
+  uint32_t* d = reinterpret_cast<uint32_t*>(dst);
+  for (int64_t i = 0; i < n; ++i) {
+    d[i] = static_cast<uint32_t>(s[i]) << 16;
+  }
+}
+
+// tile[m, j] = dot(x[m], w[j]) for m < XR, j < WR. The weight rows are read as bf16 and
+// widened in registers: at a few input rows the product is bound by reading the weight, and
+// a widened copy in memory would cost a store and a load more. XR and WR are template
+// arguments so that the accumulators stay in registers (loops with run-time bounds spill).
+template <int64_t XR, int64_t WR>
+void micro_kernel(const float* x, const c10::BFloat16* w, int64_t K, float* tile) {
+  constexpr int64_t step = 2 * Vec::size();  // bf16 elements widened into two float vectors
+  Vec acc[XR][WR];
+  for (int64_t m = 0; m < XR; ++m) {
+    for (int64_t j = 0; j < WR; ++j) acc[m][j] = Vec(0.0f);
+  }
+  const int64_t kv = K - K % step;
+  for (int64_t k = 0; k < kv; k += step) {
+    Vec lo[WR], hi[WR];
+    for (int64_t j = 0; j < WR; ++j) at::vec::load_to_float<c10::BFloat16>(w + j * K + k, lo[j], hi[j]);
+    for (int64_t m = 0; m < XR; ++m) {
+      const Vec xl = Vec::loadu(x + m * K + k), xh = Vec::loadu(x + m * K + k + Vec::size());
+      for (int64_t j = 0; j < WR; ++j) acc[m][j] = at::vec::fmadd(xh, hi[j], at::vec::fmadd(xl, lo[j], acc[m][j]));
+    }
+  }
+  float lanes[Vec::size()];
+  for (int64_t m = 0; m < XR; ++m) {
+    for (int64_t j = 0; j < WR; ++j) {
+      acc[m][j].store(lanes);
+      float sum = 0.0f;
+      for (int64_t l = 0; l < Vec::size(); ++l) sum += lanes[l];
+      for (int64_t k = kv; k < K; ++k) sum += x[m * K + k] * static_cast<float>(w[j * K + k]);
+      tile[m * kWRows + j] = sum;
+    }
+  }
+}
+
+// micro_kernel for xr <= kXRows input rows and wr <= kWRows weight rows (the edges of M and N).
+void micro_kernel_any(const float* x, const c10::BFloat16* w, int64_t K, int64_t xr, int64_t wr, float* tile) {
+  if (wr == kWRows) {
+    if (xr == 2) return micro_kernel<2, kWRows>(x, w, K, tile);
+    return micro_kernel<1, kWRows>(x, w, K, tile);
+  }
+  for (int64_t m = 0; m < xr; ++m) {
+    for (int64_t j = 0; j < wr; ++j) micro_kernel<1, 1>(x + m * K, w + j * K, K, tile + m * kWRows + j);
+  }
+}
+
+// out [M, N] = x [M, K] fp32 . W^T (+ bias), W bf16 [N, K], written in out's dtype T; one
+// block of kWRows weight rows per task.
+template <typename T>
+void few_rows(const float* x, const c10::BFloat16* w, const float* bias, T* out, int64_t M, int64_t N, int64_t K) {
+  const int64_t blocks = (N + kWRows - 1) / kWRows;
+  // Grain: enough blocks per task that a task's set-up is small next to its work.
+  const int64_t grain = std::max<int64_t>(1, 4096 / std::max<int64_t>(K, 1));
+  at::parallel_for(0, blocks, grain, [&](int64_t begin, int64_t end) {
+    float tile[kXRows * kWRows];
+    for (int64_t blk = begin; blk < end; ++blk) {
+      const int64_t n0 = blk * kWRows, wr = std::min(kWRows, N - n0);
+      for (int64_t m0 = 0; m0 < M; m0 += kXRows) {
+        const int64_t xr = std::min(kXRows, M - m0);
+        micro_kernel_any(x + m0 * K, w + n0 * K, K, xr, wr, tile);
+        for (int64_t m = 0; m < xr; ++m) {
+          for (int64_t j = 0; j < wr; ++j) {
+            out[(m0 + m) * N + n0 + j] = static_cast<T>(tile[m * kWRows + j] + (bias ? bias[n0 + j] : 0.0f));
+          }
+        }
+      }
+    }
+  });
+}
+
+// Floats of weight widened at once for a many-row product: bounds the fp32 copy (a large
+// vocabulary's LM head would otherwise need a gigabyte) while each chunk's matmul stays large.
+constexpr int64_t kWideFloats = 1024 * 1024;
+
+// out [M, N] fp32 = x [M, K] fp32 . W^T through fp32 copies of chunks of W's rows. Each chunk
+// fills a block of rows of out^T [N, M], contiguous, so the matmul writes it in place.
+at::Tensor many_rows(const at::Tensor& xf, const at::Tensor& weight) {
+  const int64_t M = xf.size(0), N = weight.size(0), K = weight.size(1);
+  const int64_t rows = std::max<int64_t>(1, std::min<int64_t>(N, kWideFloats / std::max<int64_t>(K, 1)));
+  at::Tensor wide = at::empty({rows, K}, weight.options().dtype(at::kFloat));  // [rows, K]
+  at::Tensor out_t = at::empty({N, M}, xf.options());  // [N, M]
+  const auto* w = weight.data_ptr<c10::BFloat16>();
+  float* wp = wide.data_ptr<float>();
+  for (int64_t n0 = 0; n0 < N; n0 += rows) {
+    const int64_t nb = std::min(rows, N - n0);
+    at::parallel_for(0, nb, std::max<int64_t>(1, 16384 / std::max<int64_t>(K, 1)), [&](int64_t begin, int64_t end) {
+      widen(w + (n0 + begin) * K, wp + begin * K, (end - begin) * K);
+    });
+    at::Tensor dst = out_t.narrow(0, n0, nb);
+    at::mm_out(dst, wide.narrow(0, 0, nb), xf.t());
+  }
+  return out_t.t();  // [M, N], a transposed view
+}
+
+// x [M, K] (bf16 or fp32), weight [N, K] bf16, bias [N] or none -> [M, N] in x's dtype.
+at::Tensor bf16_linear(const at::Tensor& x, const at::Tensor& weight, const std::optional<at::Tensor>& bias,
+                       int64_t few_rows_max) {
+  TORCH_CHECK(weight.scalar_type() == at::kBFloat16 && weight.dim() == 2 && weight.is_contiguous(),
+              "bf16_linear: weight must be a contiguous bf16 [N, K]");
+  TORCH_CHECK(x.dim() == 2 && x.size(1) == weight.size(1), "bf16_linear: x must be [M, K] with K = ", weight.size(1));
+  TORCH_CHECK(x.scalar_type() == at::kBFloat16 || x.scalar_type() == at::kFloat, "bf16_linear: x must be bf16 or fp32");
+  const bool has_bias = bias.has_value() && bias->defined();
+  TORCH_CHECK(!has_bias || bias->numel() == weight.size(0), "bf16_linear: bias must be [N]");
+  const int64_t M = x.size(0), K = weight.size(1), N = weight.size(0);
+  if (M > few_rows_max) {
+    at::Tensor out = many_rows(x.to(at::kFloat).contiguous(), weight);  // [M, N] view of [N, M]
+    if (has_bias) out.add_(bias->to(at::kFloat));
+    return at::empty({M, N}, x.options()).copy_(out);  // [M, N] contiguous, in x's dtype
+  }
+  // Few rows: no tensor temporaries (their set-up is a large share of a small product's time).
+  thread_local std::vector<float> xf, bf;
+  xf.resize(M * K);  // [M, K]
+  at::Tensor xc = x.contiguous();
+  if (x.scalar_type() == at::kFloat) {
+    std::memcpy(xf.data(), xc.data_ptr<float>(), M * K * sizeof(float));
+  } else {
+    widen(xc.data_ptr<c10::BFloat16>(), xf.data(), M * K);
+  }
+  const float* bp = nullptr;
+  if (has_bias) {
+    at::Tensor b = bias->to(at::kFloat).contiguous();
+    bf.assign(b.data_ptr<float>(), b.data_ptr<float>() + N);
+    bp = bf.data();
+  }
+  at::Tensor out = at::empty({M, N}, x.options());  // [M, N]
+  const auto* w = weight.data_ptr<c10::BFloat16>();
+  if (x.scalar_type() == at::kFloat) {
+    few_rows(xf.data(), w, bp, out.data_ptr<float>(), M, N, K);
+  } else {
+    few_rows(xf.data(), w, bp, out.data_ptr<c10::BFloat16>(), M, N, K);
+  }
+  return out;
+}
+
+}  // namespace
+
+TORCH_LIBRARY_FRAGMENT(srt_lite_cpu, m) {
+  m.def("bf16_linear(Tensor x, Tensor weight, Tensor? bias, int few_rows_max) -> Tensor");
+}
+
+TORCH_LIBRARY_IMPL(srt_lite_cpu, CPU, m) {
+  m.impl("bf16_linear", &bf16_linear);
+}
