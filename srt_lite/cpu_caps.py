@@ -138,6 +138,18 @@ def detect(flags: set[str] | None = None, arch: str | None = None, forced: str |
     return dataclasses.replace(caps, onednn_bf16=bf16)
 
 
+def bf16_is_faster(caps: CpuCaps, kernels_built: bool) -> bool:
+    """`--dtype auto` on this CPU: bf16 weights where they were measured faster than fp32
+    (docs/benchmarks.md, "The dtype rule"). With native bf16 (AVX512-BF16, AMX; ARM BF16
+    where oneDNN takes it) oneDNN's bf16 is faster everywhere. On AVX2 and on AVX-512
+    without BF16, the C++ bf16 kernel decodes faster (half the bytes a token) and prefills
+    somewhat slower; decode is most of a chat's time. With only the portable build (ARM
+    without BF16, x86 before AVX2) bf16 is unmeasured and fp32 stays."""
+    if caps.native_bf16 and caps.onednn_bf16:
+        return True
+    return kernels_built and caps.level in ("avx2", "avx512")
+
+
 @functools.lru_cache(maxsize=1)
 def get() -> CpuCaps:
     """This process's capabilities (read once)."""

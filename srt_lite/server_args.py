@@ -188,6 +188,13 @@ class ServerArgs:
             raise ValueError("--max-request-bytes must be >= 1024")
         if self.attention_backend == "flashinfer" and (self.device == "cpu" or not _cuda_available()):
             raise ValueError("--attention-backend flashinfer needs a CUDA device; use torch_native on the CPU")
+        if self.attention_backend == "flashinfer" and self.dtype == "float32":
+            # Checked again with the resolved dtype when the backend is built; here it fails
+            # before minutes of weight loading.
+            raise ValueError(
+                "--attention-backend flashinfer runs float16/bfloat16 only: use --dtype bfloat16, or "
+                "--attention-backend torch_native (or auto) for float32"
+            )
         if self.cuda_graph_max_bs is not None and self.cuda_graph_max_bs < 1:
             raise ValueError("--cuda-graph-max-bs must be >= 1")
         if self.enable_torch_compile and self.tp_size > 1:

@@ -2,7 +2,6 @@
 
 from __future__ import annotations
 
-import functools
 import logging
 import os
 import socket
@@ -47,20 +46,6 @@ def progress(items: Iterable[T], total: int, desc: str, enabled: bool = True) ->
     logger.info("%s: %d/%d done", desc, n, total)
 
 
-@functools.lru_cache(maxsize=1)
-def cpu_has_fast_bf16() -> bool:
-    """True when the CPU does bf16 matmuls natively (AVX512-BF16 or AMX)."""
-    try:
-        with open("/proc/cpuinfo") as f:
-            for line in f:
-                if line.startswith("flags"):
-                    flags = set(line.split(":", 1)[1].split())
-                    return "avx512_bf16" in flags or "amx_bf16" in flags
-    except OSError:
-        pass
-    return False
-
-
 def resolve_device(device: str | None) -> str:
     if device in (None, "auto"):
         return "cuda" if torch.cuda.is_available() else "cpu"
@@ -80,11 +65,15 @@ _DTYPES = {
 
 
 def resolve_dtype(dtype: str, device: str) -> torch.dtype:
-    """`auto` means bf16 on CUDA and on CPUs with BF16 units, fp32 elsewhere."""
+    """`auto` means bf16 on CUDA; on a CPU, whichever of bf16 and fp32 weights was measured
+    faster for its capabilities (cpu_caps.bf16_is_faster)."""
     if dtype == "auto":
-        if device.startswith("cuda") or cpu_has_fast_bf16():
+        if device.startswith("cuda"):
             return torch.bfloat16
-        return torch.float32
+        from srt_lite import cpu_caps
+        from srt_lite.layers import cpu_kernels
+
+        return torch.bfloat16 if cpu_caps.bf16_is_faster(cpu_caps.get(), cpu_kernels.load()) else torch.float32
     if dtype not in _DTYPES:
         raise ValueError(f"unsupported dtype {dtype!r}; choose auto, float32, bfloat16 or float16")
     return _DTYPES[dtype]

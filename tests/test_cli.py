@@ -65,3 +65,15 @@ def test_progress_is_a_bar_on_a_terminal_and_log_lines_otherwise(monkeypatch, ca
     with caplog.at_level(logging.INFO, logger="srt_lite.utils"):
         assert list(utils.progress(range(3), 3, "Warming up")) == [0, 1, 2]
     assert [r.getMessage() for r in caplog.records] == ["Warming up: 0/3", "Warming up: 3/3 done"]
+
+
+def test_flashinfer_with_float32_is_refused_before_loading(monkeypatch):
+    """On a CUDA machine: FlashInfer has no fp32 kernels, so the explicit pair fails at the
+    flag check (the CPU here stands in for one with CUDA)."""
+    from srt_lite import server_args
+
+    monkeypatch.setattr(server_args, "_cuda_available", lambda: True)
+    with pytest.raises(ValueError, match="flashinfer runs float16/bfloat16 only"):
+        ServerArgs(attention_backend="flashinfer", dtype="float32", device="cuda").check()
+    ServerArgs(attention_backend="flashinfer", dtype="bfloat16", device="cuda").check()
+    ServerArgs(attention_backend="auto", dtype="float32", device="cuda").check()  # auto picks torch_native

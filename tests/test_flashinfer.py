@@ -1,24 +1,42 @@
-"""The CUDA path: FlashInfer attention and decode CUDA graphs.
+"""The CUDA path: FlashInfer attention, decode CUDA graphs, and torch_native off the CPU.
 
-The index building runs everywhere (it is plain torch); the tests marked `gpu` need a CUDA
-device and flashinfer-python and are skipped without them. They compare the flashinfer
+The index building, the backend choice, the backend's planning (against a reference of
+FlashInfer's wrappers) and torch_native's non-CPU attention branch run everywhere (plain
+torch). The tests marked `gpu` need a CUDA device (and flashinfer-python, most of them) and
+are skipped without them. They run tiny models of head_dim 64 and 128 (FlashInfer's prefill
+rejects the CPU suite's 16 and 32; tests/gpu_check_models.py), and compare the flashinfer
 backend with torch_native on the same GPU (prefill, cached-prefix extend mixed with decode
 rows, speculative verify rows, decode), CUDA-graph replay with eager decode (including padded
-batch sizes), and the served model's greedy answer."""
+batch sizes), torch_native's cascade steps on CUDA with transformers, and the served model's
+greedy answer."""
 
 from __future__ import annotations
+
+import inspect
+import logging
+import types
 
 import pytest
 import torch
 
+import srt_lite.layers.attention as attention
+from gpu_check_models import GPU_CASES, make_gpu_tiny_model
 from model_harness import Harness
-from srt_lite.layers.attention import flashinfer_available
-from srt_lite.layers.attention.flashinfer_backend import build_kv_indices
+from srt_lite.layers.attention import choose_attention_backend, create_attention_backend, flashinfer_available
+from srt_lite.layers.attention import torch_native_backend as tnb
+from srt_lite.layers.attention.flashinfer_backend import (
+    QWEN_WORKSPACE_BYTES,
+    WORKSPACE_BYTES,
+    WORKSPACE_ENV,
+    build_kv_indices,
+    workspace_bytes,
+)
 from srt_lite.model_executor.cuda_graph_runner import capture_batch_sizes
 
 needs_gpu = pytest.mark.skipif(
     not (torch.cuda.is_available() and flashinfer_available()), reason="needs CUDA and flashinfer-python"
 )
+needs_cuda = pytest.mark.skipif(not torch.cuda.is_available(), reason="needs CUDA")
 
 
 def test_build_kv_indices_lists_each_rows_slots():
@@ -40,6 +58,136 @@ def test_capture_batch_sizes_cover_every_batch_up_to_the_max():
     assert sizes == sorted(set(sizes)) and sizes[-1] == 160 and all(b % 8 == 0 for b in sizes[3:])
 
 
+# ---- the backend choice ----------------------------------------------------------------
+
+
+@pytest.mark.parametrize("installed", [True, False])
+def test_auto_picks_flashinfer_on_cuda_only_for_its_dtypes(monkeypatch, caplog, installed):
+    monkeypatch.setattr(attention, "flashinfer_available", lambda: installed)
+    fi = "flashinfer" if installed else "torch_native"
+    assert choose_attention_backend("auto", "cuda", torch.bfloat16) == fi
+    assert choose_attention_backend("auto", "cuda:0", torch.float16) == fi
+    assert choose_attention_backend("auto", "cpu", torch.bfloat16) == "torch_native"
+    caplog.clear()
+    with caplog.at_level(logging.INFO, logger="srt_lite.layers.attention"):
+        assert choose_attention_backend("auto", "cuda", torch.float32) == "torch_native"
+    # One line says why, only when flashinfer was there to be passed over.
+    assert len(caplog.records) == int(installed)
+    assert all("float32" in r.getMessage() for r in caplog.records)
+
+
+def test_explicit_flashinfer_rejects_what_cannot_run(monkeypatch):
+    monkeypatch.setattr(attention, "flashinfer_available", lambda: True)
+    assert choose_attention_backend("flashinfer", "cuda", torch.bfloat16) == "flashinfer"
+    with pytest.raises(ValueError, match="float16/bfloat16 only, not float32"):
+        choose_attention_backend("flashinfer", "cuda", torch.float32)
+    with pytest.raises(ValueError, match="needs a CUDA device"):
+        choose_attention_backend("flashinfer", "cpu", torch.bfloat16)
+    with pytest.raises(ValueError, match="unknown attention backend"):
+        choose_attention_backend("triton", "cuda", torch.bfloat16)
+    monkeypatch.setattr(attention, "flashinfer_available", lambda: False)
+    with pytest.raises(ValueError, match="flashinfer-python"):
+        choose_attention_backend("flashinfer", "cuda", torch.bfloat16)
+
+
+def test_create_attention_backend_checks_the_runners_dtype_first(monkeypatch):
+    """fp32 on CUDA: auto builds torch_native; flashinfer raises before building anything
+    (no CUDA needed: neither path touches the device here)."""
+    monkeypatch.setattr(attention, "flashinfer_available", lambda: True)
+    runner = types.SimpleNamespace(dtype=torch.float32)
+    backend = create_attention_backend("auto", "cuda", model_runner=runner)
+    assert isinstance(backend, tnb.TorchNativeAttnBackend) and not backend.cpu_kernels
+    with pytest.raises(ValueError, match="float32"):
+        create_attention_backend("flashinfer", "cuda", model_runner=runner)
+
+
+def test_workspace_is_sized_as_sglang_sizes_it(monkeypatch):
+    monkeypatch.delenv(WORKSPACE_ENV, raising=False)
+    assert workspace_bytes(["LlamaForCausalLM"]) == WORKSPACE_BYTES == 384 * 2**20
+    assert workspace_bytes(None) == WORKSPACE_BYTES
+    assert workspace_bytes(["Qwen3ForCausalLM"]) == workspace_bytes(["Qwen2ForCausalLM"]) == QWEN_WORKSPACE_BYTES
+    monkeypatch.setenv(WORKSPACE_ENV, str(2**20))
+    assert workspace_bytes(["Qwen3ForCausalLM"]) == 2**20
+
+
+# ---- torch_native off the CPU -------------------------------------------------------------
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+@pytest.mark.parametrize("masked", [False, True])
+def test_sdpa_with_lse_generic_branch_matches_the_cpu_op(dtype, masked):
+    """The branch other devices take (plain torch math in fp32) against the CPU flash op
+    that the CPU takes: the same output and log-sum-exp, for the shapes the backend uses."""
+    g = torch.Generator().manual_seed(3)
+    B, H, Lq, Lk, D = 3, 2, 12, 70, 64
+    q, k, v = (torch.randn(B, H, n, D, generator=g).to(dtype) for n in (Lq, Lk, Lk))
+    mask = None
+    if masked:  # an additive bias broadcast over heads; every query keeps some keys
+        keep = torch.rand(B, 1, Lq, Lk, generator=g) < 0.6
+        keep[..., 0] = True
+        mask = torch.zeros(B, 1, Lq, Lk, dtype=dtype).masked_fill_(~keep, float("-inf"))
+    want_o, want_lse = torch.ops.aten._scaled_dot_product_flash_attention_for_cpu(q, k, v, attn_mask=mask, scale=0.2)
+    o, lse = tnb._sdpa_with_lse_math(q, k, v, mask, 0.2)
+    assert o.dtype == want_o.dtype == dtype and o.shape == want_o.shape
+    assert lse.dtype == want_lse.dtype == torch.float32 and lse.shape == want_lse.shape
+    tol = 1e-4 if dtype == torch.float32 else 2e-2  # bf16: the CPU op rounds its partial sums
+    assert (o.float() - want_o.float()).abs().max().item() < tol
+    assert (lse - want_lse).abs().max().item() < tol
+    # The CPU dispatch is the op itself, untouched.
+    o_cpu, lse_cpu = tnb.sdpa_with_lse(q, k, v, attn_mask=mask, scale=0.2)
+    assert torch.equal(o_cpu, want_o) and torch.equal(lse_cpu, want_lse)
+
+
+def test_torch_native_steps_through_the_generic_branch_match_the_cpu_op(tmp_path, monkeypatch):
+    """Every call site of sdpa_with_lse (folded verify rows, a cascade's prefix, a token
+    cascade's suffixes) fed by the generic branch, as on CUDA: the same logits as through
+    the CPU op, with the C++ ops off in both so that the Python paths run."""
+    from srt_lite.model_config import ModelConfig
+    from srt_lite.model_executor.model_runner import ModelRunner
+    from srt_lite.server_args import ServerArgs
+    from test_tiny_models import make_tiny_model
+
+    path = make_tiny_model("llama", tmp_path / "llama")
+    runners = [ModelRunner(ModelConfig.load(path), ServerArgs(dtype="float32", max_total_tokens=4096)) for _ in range(2)]
+    for r in runners:
+        r.attn_backend = tnb.TorchNativeAttnBackend("cpu", use_cpu_kernels=False)
+    generic, callers = [False], set()
+    original = tnb.sdpa_with_lse
+
+    def sdpa(q, k, v, attn_mask=None, scale=None):
+        if not generic[0]:
+            return original(q, k, v, attn_mask=attn_mask, scale=scale)
+        callers.add(inspect.stack()[1].function)
+        return tnb._sdpa_with_lse_math(q, k, v, attn_mask, scale)
+
+    monkeypatch.setattr(tnb, "sdpa_with_lse", sdpa)
+    hs = [Harness(r) for r in runners]
+    g = torch.Generator().manual_seed(5)
+    prompts = [torch.randint(3, 320, (n,), generator=g).tolist() for n in (100, 9, 23)]
+
+    def both(step) -> None:
+        outs = []
+        for h, flag in zip(hs, (False, True)):
+            generic[0] = flag
+            outs.append(step(h))
+        assert (outs[0] - outs[1]).abs().max().item() < 1e-4
+
+    both(lambda h: h.prefill(prompts).all_logits)
+    # Verify rows (4 and 6 tokens after their own KV), no shared prefix: folded.
+    new = [torch.randint(3, 320, (n,), generator=g).tolist() for n in (4, 6)]
+    both(lambda h: h.extend(h.rows[1:], h.lens[1:], new).all_logits)
+    # Rows sharing row 0's first 80 slots: a decode row and verify rows (a token cascade),
+    # then 6 rows of equal suffixes decoding (a folded cascade: one padded call is cheaper).
+    tails = [torch.randint(3, 320, (n,), generator=g).tolist() for n in (1, 5, 3)]
+    both(lambda h: h.extend(h.rows_sharing_prefix(3, 80), [80] * 3, tails).all_logits)
+    decode_tails = [[int(t)] for t in torch.randint(3, 320, (6,), generator=g)]
+    both(lambda h: h.extend(h.rows_sharing_prefix(6, 80), [80] * 6, decode_tails).all_logits)
+    assert callers == {"_attend_folded", "_attend_token_cascade", "_attend_prefix"}
+
+
+# ---- FlashInfer's wrappers, on the CPU ----------------------------------------------------
+
+
 class _ReferenceWrapper:
     """FlashInfer's paged-KV wrapper contract in plain torch (per row SDPA; the causal mask
     aligned to the end of the row's KV, as FlashInfer documents), so the backend's planning
@@ -47,7 +195,7 @@ class _ReferenceWrapper:
 
     def __init__(self, workspace, kv_layout, **kwargs):
         assert kv_layout == "NHD" and workspace.dtype == torch.uint8
-        self.decode = True
+        assert kwargs["backend"] == "fa2"  # pinned, as SGLang pins it
 
     def plan(self, *args, causal=False, sm_scale=None, q_data_type=None, kv_data_type=None, **kwargs):
         if len(args) == 8:  # prefill: qo_indptr first
@@ -94,9 +242,11 @@ def test_flashinfer_backend_logic_against_reference_kernels(tmp_path, monkeypatc
         BatchDecodeWithPagedKVCacheWrapper=_ReferenceWrapper, BatchPrefillWithPagedKVCacheWrapper=_ReferenceWrapper
     )
     monkeypatch.setitem(sys.modules, "flashinfer", fake)
+    monkeypatch.setenv(WORKSPACE_ENV, str(2**20))  # not the real 384 MiB on the CPU
     path = make_tiny_model("llama", tmp_path / "llama")
     runners = [ModelRunner(ModelConfig.load(path), ServerArgs(dtype="float32", max_total_tokens=2048)) for _ in range(2)]
     runners[0].attn_backend = FlashInferAttnBackend(runners[0])
+    assert runners[0].attn_backend.workspace.numel() == 2**20
     hs = [Harness(r) for r in runners]
     g = torch.Generator().manual_seed(4)
     prompts = [torch.randint(3, 320, (n,), generator=g).tolist() for n in (5, 17, 60)]
@@ -120,13 +270,13 @@ def test_flashinfer_backend_logic_against_reference_kernels(tmp_path, monkeypatc
 # ---- on a GPU ---------------------------------------------------------------------------
 
 
-def _tiny_runner(path: str, backend: str, cuda_graph: bool = False):
+def _tiny_runner(path: str, backend: str, cuda_graph: bool = False, dtype: str = "bfloat16"):
     from srt_lite.model_config import ModelConfig
     from srt_lite.model_executor.model_runner import ModelRunner
     from srt_lite.server_args import ServerArgs
 
     args = ServerArgs(
-        device="cuda", dtype="bfloat16", attention_backend=backend, max_total_tokens=4096,
+        device="cuda", dtype=dtype, attention_backend=backend, max_total_tokens=4096,
         max_running_requests=16, disable_cuda_graph=not cuda_graph,
     )
     return ModelRunner(ModelConfig.load(path), args)
@@ -140,13 +290,12 @@ def _close(a: torch.Tensor, b: torch.Tensor) -> None:
 
 @pytest.mark.gpu
 @needs_gpu
-@pytest.mark.parametrize("kind", ["llama", "qwen3"])
+@pytest.mark.parametrize("kind", list(GPU_CASES))
 def test_flashinfer_matches_torch_native(kind, tmp_path):
-    from test_tiny_models import make_tiny_model
-
-    path = make_tiny_model(kind, tmp_path / kind)
+    path = make_gpu_tiny_model(kind, tmp_path / kind)
     fi, ref = _tiny_runner(path, "flashinfer"), _tiny_runner(path, "torch_native")
     assert type(fi.attn_backend).__name__ == "FlashInferAttnBackend"
+    assert fi.attn_backend.decode_tensor_cores == (kind == "qwen3_hd128")
     g = torch.Generator().manual_seed(1)
     prompts = [torch.randint(3, 320, (n,), generator=g).tolist() for n in (5, 17, 90)]
     hf, hr = Harness(fi), Harness(ref)
@@ -173,10 +322,9 @@ def test_flashinfer_matches_torch_native(kind, tmp_path):
 
 @pytest.mark.gpu
 @needs_gpu
-def test_cuda_graph_decode_matches_eager(tmp_path):
-    from test_tiny_models import make_tiny_model
-
-    path = make_tiny_model("llama", tmp_path / "llama")
+@pytest.mark.parametrize("kind", list(GPU_CASES))
+def test_cuda_graph_decode_matches_eager(kind, tmp_path):
+    path = make_gpu_tiny_model(kind, tmp_path / kind)
     graphs, eager = _tiny_runner(path, "flashinfer", cuda_graph=True), _tiny_runner(path, "flashinfer")
     assert graphs.cuda_graph_runner is not None and eager.cuda_graph_runner is None
     assert graphs.cuda_graph_runner.batch_sizes == [1, 2, 4, 8, 16]
@@ -196,6 +344,49 @@ def test_cuda_graph_decode_matches_eager(tmp_path):
     hg.rows, hg.lens, he.rows, he.lens = hg.rows[2:], hg.lens[2:], he.rows[2:], he.lens[2:]
     _close(hg.decode(nxt[2:]), he.decode(nxt[2:]))  # one row: the size-1 graph
     assert replays == [3, 3, 3, 3, 1]
+
+
+@pytest.mark.gpu
+@needs_cuda
+@pytest.mark.parametrize("kind", list(GPU_CASES))
+def test_torch_native_cascade_on_cuda_matches_transformers(kind, tmp_path):
+    """fp32 on CUDA runs torch_native (auto), whose verify rows and shared-prefix cascades
+    take sdpa_with_lse's non-CPU branch: each step's logits against transformers on the GPU."""
+    from transformers import AutoModelForCausalLM
+
+    path = make_gpu_tiny_model(kind, tmp_path / kind)
+    runner = _tiny_runner(path, "auto", dtype="float32")
+    assert isinstance(runner.attn_backend, tnb.TorchNativeAttnBackend) and runner.cuda_graph_runner is None
+    hf = AutoModelForCausalLM.from_pretrained(path, dtype=torch.float32).to("cuda").eval()
+
+    def want(seq: list[int], n: int) -> torch.Tensor:  # transformers' logits of seq's last n tokens
+        with torch.no_grad():
+            return hf(torch.tensor([seq], device="cuda")).logits[0, -n:]
+
+    g = torch.Generator().manual_seed(6)
+    h = Harness(runner)
+    seqs = [torch.randint(3, 320, (n,), generator=g).tolist() for n in (100, 9)]
+    h.prefill(seqs)
+    # Verify rows after each row's own KV (folded), then rows sharing row 0's first 80 slots
+    # (a cascade), as a radix-cache hit lays them out.
+    new = [torch.randint(3, 320, (n,), generator=g).tolist() for n in (4, 6)]
+    out = h.extend(h.rows, h.lens, new).all_logits
+    assert (out - torch.cat([want(s + t, len(t)) for s, t in zip(seqs, new)])).abs().max().item() < 1e-3
+    # Decode and verify rows: a token cascade; 6 decode rows of equal suffixes: a folded one.
+    for lens in ((1, 5, 3, 1), (1,) * 6):
+        tails = [torch.randint(3, 320, (n,), generator=g).tolist() for n in lens]
+        out = h.extend(h.rows_sharing_prefix(len(lens), 80), [80] * len(lens), tails).all_logits
+        ref = torch.cat([want(seqs[0][:80] + t, len(t)) for t in tails])
+        assert (out - ref).abs().max().item() < 1e-3
+
+
+@pytest.mark.gpu
+@needs_gpu
+def test_float32_on_cuda_runs_torch_native_and_rejects_flashinfer(tmp_path):
+    path = make_gpu_tiny_model("llama_hd64", tmp_path / "llama")
+    assert isinstance(_tiny_runner(path, "auto", dtype="float32").attn_backend, tnb.TorchNativeAttnBackend)
+    with pytest.raises(ValueError, match="float16/bfloat16 only"):
+        _tiny_runner(path, "flashinfer", dtype="float32")
 
 
 @pytest.mark.gpu

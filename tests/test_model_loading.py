@@ -12,7 +12,7 @@ import torch
 from srt_lite.model_config import ModelConfig
 from srt_lite.model_loader import default_model
 from srt_lite.model_loader.default_model import ModelPathError, resolve_model_path
-from srt_lite.utils import cpu_has_fast_bf16, resolve_dtype
+from srt_lite.utils import resolve_dtype
 
 
 def test_gguf_converts_once_then_loads_from_cache(tmp_path, monkeypatch):
@@ -85,12 +85,14 @@ def test_default_model_is_found_without_importing_its_package(default_model_dir)
     assert cfg.eos_token_ids == [2]
 
 
-def test_auto_dtype_follows_cpu_features():
-    flags = open("/proc/cpuinfo").read()
-    fast = "avx512_bf16" in flags or "amx_bf16" in flags
-    assert cpu_has_fast_bf16() == fast
-    assert resolve_dtype("auto", "cpu") == (torch.bfloat16 if fast else torch.float32)
+def test_resolve_dtype_names_and_auto():
+    """auto follows the CPU's rule (tests/test_cpu_caps.py checks the rule per CPU class)."""
+    from srt_lite import cpu_caps
+    from srt_lite.layers import cpu_kernels
+
+    bf16 = cpu_caps.bf16_is_faster(cpu_caps.get(), cpu_kernels.load())
+    assert resolve_dtype("auto", "cpu") == (torch.bfloat16 if bf16 else torch.float32)
     assert resolve_dtype("auto", "cuda") == torch.bfloat16
-    assert resolve_dtype("float32", "cpu") == torch.float32
+    assert resolve_dtype("float32", "cpu") == torch.float32 and resolve_dtype("bf16", "cpu") == torch.bfloat16
     with pytest.raises(ValueError, match="unsupported dtype"):
         resolve_dtype("int8", "cpu")

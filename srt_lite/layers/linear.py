@@ -65,16 +65,21 @@ PATH_BF16_KERNEL = "bf16-kernel"  # bf16 weights, fp32 math in srt_lite_cpu::bf1
 BF16_KERNEL_ROWS = 16
 
 
-def cpu_linear_path(dtype: torch.dtype, disable_packing: bool = False) -> str:
-    """The fastest linear path that runs on this CPU for `dtype` weights. oneDNN's bf16
-    needs AVX-512 (or AVX-NE-CONVERT, or ARM BF16): elsewhere it refuses bf16 weights, and
-    torch's own bf16 matmul is a slow reference loop beyond one row, so bf16 weights go
-    through the C++ kernel, or F.linear when it is not built."""
+def cpu_linear_path(dtype: torch.dtype, disable_packing: bool = False, caps: cpu_caps.CpuCaps | None = None,
+                    kernels_built: bool | None = None) -> str:
+    """The fastest linear path that runs on this CPU (or `caps`) for `dtype` weights.
+    oneDNN's bf16 is fast where the CPU has bf16 instructions; without them oneDNN either
+    refuses bf16 (AVX2) or emulates it slowly (AVX-512 without BF16), and torch's own bf16
+    matmul is a reference loop beyond one row. There the C++ bf16 kernel runs, when built
+    (docs/benchmarks.md, "The dtype rule", has the figures)."""
     if dtype != torch.bfloat16 or disable_packing:
         return PATH_TORCH
-    if cpu_caps.get().onednn_bf16:
+    caps = caps or cpu_caps.get()
+    if caps.onednn_bf16 and caps.native_bf16:
         return PATH_PACKED
-    return PATH_BF16_KERNEL if cpu_kernels.load() else PATH_TORCH
+    if cpu_kernels.load() if kernels_built is None else kernels_built:
+        return PATH_BF16_KERNEL
+    return PATH_PACKED if caps.onednn_bf16 else PATH_TORCH
 
 
 def bf16_kernel_linear(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None) -> torch.Tensor:

@@ -1,6 +1,16 @@
 from __future__ import annotations
 
+import logging
+
+import torch
+
 from srt_lite.layers.attention.base import AttentionBackend
+
+logger = logging.getLogger(__name__)
+
+# Activation dtypes FlashInfer's kernels are built for. Its JIT maps dtypes to kernel names
+# with a table that has no float32 entry, so fp32 would end in a KeyError deep inside plan().
+FLASHINFER_DTYPES = (torch.float16, torch.bfloat16)
 
 
 def flashinfer_available() -> bool:
@@ -11,21 +21,49 @@ def flashinfer_available() -> bool:
     return True
 
 
-def create_attention_backend(name: str, device: str, model_runner=None) -> AttentionBackend:
-    """`auto` picks flashinfer on CUDA when the package is installed, else torch_native."""
+def choose_attention_backend(name: str, device: str, dtype: torch.dtype | None) -> str:
+    """The backend `name` (auto, torch_native or flashinfer) resolves to for this device and
+    model dtype, or a ValueError with one clear message for a combination that cannot run.
+    `auto` picks flashinfer on CUDA when the package is installed and the dtype is one it
+    has kernels for, else torch_native. dtype None (not known yet) skips the dtype rule."""
     on_cuda = device.startswith("cuda")
+    fi_dtype_ok = dtype is None or dtype in FLASHINFER_DTYPES
     if name == "auto":
-        name = "flashinfer" if on_cuda and flashinfer_available() else "torch_native"
-    if name == "torch_native":
-        from srt_lite.layers.attention.torch_native_backend import TorchNativeAttnBackend
-
-        return TorchNativeAttnBackend(device=device)
+        if not (on_cuda and flashinfer_available()):
+            return "torch_native"
+        if not fi_dtype_ok:
+            logger.info(
+                "Attention backend: torch_native, since FlashInfer has no %s kernels "
+                "(it runs float16/bfloat16)", str(dtype).removeprefix("torch."),
+            )
+            return "torch_native"
+        return "flashinfer"
     if name == "flashinfer":
         if not on_cuda:
             raise ValueError("--attention-backend flashinfer needs a CUDA device; use torch_native on the CPU")
         if not flashinfer_available():
-            raise ValueError("--attention-backend flashinfer needs the flashinfer-python package (pip install flashinfer-python)")
-        from srt_lite.layers.attention.flashinfer_backend import FlashInferAttnBackend
-
-        return FlashInferAttnBackend(model_runner)
+            raise ValueError(
+                "--attention-backend flashinfer needs the flashinfer-python package (pip install flashinfer-python)"
+            )
+        if not fi_dtype_ok:
+            raise ValueError(
+                f"--attention-backend flashinfer runs float16/bfloat16 only, not "
+                f"{str(dtype).removeprefix('torch.')}: use --dtype bfloat16, or --attention-backend "
+                "torch_native (or auto) for float32"
+            )
+        return name
+    if name == "torch_native":
+        return name
     raise ValueError(f"unknown attention backend {name!r}")
+
+
+def create_attention_backend(name: str, device: str, model_runner=None) -> AttentionBackend:
+    """The backend chosen by choose_attention_backend for the runner's dtype."""
+    name = choose_attention_backend(name, device, getattr(model_runner, "dtype", None))
+    if name == "torch_native":
+        from srt_lite.layers.attention.torch_native_backend import TorchNativeAttnBackend
+
+        return TorchNativeAttnBackend(device=device)
+    from srt_lite.layers.attention.flashinfer_backend import FlashInferAttnBackend
+
+    return FlashInferAttnBackend(model_runner)

@@ -16,11 +16,13 @@ offsets) and `last_page_len` (all ones).
 on the host from the batch's host lists: `plan` copies them to the host anyway, so device
 copies would cost a sync per step. Decode CUDA graphs (`model_executor/cuda_graph_runner.py`)
 use their own decode wrappers over fixed buffers, one per captured batch size, re-planned
-before each replay.
+before each replay. Every wrapper runs FlashInfer's FA2 kernels (FLASHINFER_KERNELS below),
+in float16 or bfloat16 only: `auto` gives float32 models torch_native (layers/attention).
 """
 
 from __future__ import annotations
 
+import os
 from typing import TYPE_CHECKING, Any
 
 import torch
@@ -32,8 +34,33 @@ if TYPE_CHECKING:
     from srt_lite.model_executor.forward_batch import ForwardBatch
     from srt_lite.model_executor.model_runner import ModelRunner
 
-# FlashInfer's recommended workspace for split-KV partial results.
-WORKSPACE_BYTES = 128 * 2**20
+# The float workspace (split-KV partial results of a batch) is sized as SGLang sizes it:
+# SGLANG_FLASHINFER_WORKSPACE_SIZE (python/sglang/srt/environ.py) defaults to 384 MiB, and
+# its flashinfer_backend.py raises it to 512 MiB for Qwen2/Qwen3 models ("Qwen2/Qwen3 models
+# require higher flashinfer workspace size"). FlashInfer's docstring suggests 128 MiB; a
+# batch whose partials do not fit fails in plan(), mid-serving, so we take the sizes of the
+# engine that serves large batches with this code path, not the smallest that may do.
+WORKSPACE_BYTES = 384 * 2**20
+QWEN_WORKSPACE_BYTES = 512 * 2**20
+WORKSPACE_ENV = "SRT_LITE_FLASHINFER_WORKSPACE_SIZE"  # bytes; overrides the above, as SGLang's env does
+_QWEN_ARCHITECTURES = ("Qwen2ForCausalLM", "Qwen3ForCausalLM")
+
+# Both wrappers are pinned to FlashInfer's FA2 kernels, as SGLang pins them
+# (prefill_backend = decode_backend = "fa2" in its flashinfer_backend.py). With "auto",
+# FlashInfer picks per GPU and per call: FA3 for prefill on Hopper (the H200), and it may
+# route decode to cuDNN. That would run a kernel family SGLang does not serve with, need a
+# further (and much longer) JIT build or package, and fix the choice at the first plan.
+FLASHINFER_KERNELS = "fa2"
+
+
+def workspace_bytes(architectures: list[str] | None) -> int:
+    """The float workspace size for a model with these HF architectures."""
+    env = os.environ.get(WORKSPACE_ENV)
+    if env:
+        return int(env)
+    if any(a in _QWEN_ARCHITECTURES for a in architectures or []):
+        return QWEN_WORKSPACE_BYTES
+    return WORKSPACE_BYTES
 
 
 def build_kv_indices(
@@ -76,14 +103,19 @@ class FlashInferAttnBackend(AttentionBackend):
         pool = model_runner.token_to_kv_pool
         shape = (-1, 1, self.num_kv_heads, self.head_dim)  # [pages, page_size = 1, Hkv, D]
         self.kv_caches = [(k.view(shape), v.view(shape)) for k, v in zip(pool.k_buffer, pool.v_buffer)]
-        # [WORKSPACE_BYTES] uint8, shared by every wrapper (they never run concurrently).
-        self.workspace = torch.zeros(WORKSPACE_BYTES, dtype=torch.uint8, device=self.device)
-        # Tensor-core decode pays off once several query heads share a KV head (SGLang's rule).
+        # uint8, shared by every wrapper (they never run concurrently). Zeroed: FlashInfer
+        # documents that the float workspace must be zero at its first use.
+        size = workspace_bytes(getattr(cfg.hf_config, "architectures", None))
+        self.workspace = torch.zeros(size, dtype=torch.uint8, device=self.device)
+        # Tensor-core decode pays off once several query heads share a KV head: FlashInfer
+        # then fuses the head group with the token axis in its MMA (SGLang's rule, >= 4).
         self.decode_tensor_cores = self.num_qo_heads // self.num_kv_heads >= 4
         self.decode_wrapper = flashinfer.BatchDecodeWithPagedKVCacheWrapper(
-            self.workspace, "NHD", use_tensor_cores=self.decode_tensor_cores
+            self.workspace, "NHD", use_tensor_cores=self.decode_tensor_cores, backend=FLASHINFER_KERNELS
         )
-        self.prefill_wrapper = flashinfer.BatchPrefillWithPagedKVCacheWrapper(self.workspace, "NHD")
+        self.prefill_wrapper = flashinfer.BatchPrefillWithPagedKVCacheWrapper(
+            self.workspace, "NHD", backend=FLASHINFER_KERNELS
+        )
 
     # ---- planning -----------------------------------------------------------------------
 
@@ -119,7 +151,7 @@ class FlashInferAttnBackend(AttentionBackend):
         graph needs; one per captured batch size (the batch size is fixed per wrapper)."""
         return self.flashinfer.BatchDecodeWithPagedKVCacheWrapper(
             self.workspace, "NHD", use_cuda_graph=True, use_tensor_cores=self.decode_tensor_cores,
-            paged_kv_indptr_buffer=indptr_buf, paged_kv_indices_buffer=indices_buf,
+            backend=FLASHINFER_KERNELS, paged_kv_indptr_buffer=indptr_buf, paged_kv_indices_buffer=indices_buf,
             paged_kv_last_page_len_buffer=last_page_len_buf,
         )
 
@@ -136,5 +168,7 @@ class FlashInferAttnBackend(AttentionBackend):
         T = q.shape[0]
         H, Hkv, D = layer.num_heads, layer.num_kv_heads, layer.head_dim
         fb.token_to_kv_pool.set_kv_buffer(layer.layer_id, fb.out_cache_loc, k.view(T, Hkv, D), v.view(T, Hkv, D))
-        out = fb.attn_metadata.run(q.reshape(T, H, D), self.kv_caches[layer.layer_id])  # [T, H, D]
+        # q is a strided view into the model's fused q/k tensor; FlashInfer gets it dense, as
+        # SGLang hands it over (q.contiguous()), rather than relying on its stride support.
+        out = fb.attn_metadata.run(q.contiguous().view(T, H, D), self.kv_caches[layer.layer_id])  # [T, H, D]
         return out.view(T, H * D)

@@ -354,7 +354,6 @@ class TorchNativeAttnBackend(AttentionBackend):
         H, Hkv, D = layer.num_heads, layer.num_kv_heads, layer.head_dim
         G, Lq = H // Hkv, g.max_q
         B, ls = g.kv_index.shape
-        flash = torch.ops.aten._scaled_dot_product_flash_attention_for_cpu
         q_pad = _pad_queries(q, g, H, D)  # [B, Lq, H, D]
         # Row order within a KV head: (g, t), so the mask of token t repeats G times.
         qf = q_pad.view(B, Lq, Hkv, G, D).permute(0, 2, 3, 1, 4).reshape(B, Hkv, G * Lq, D)
@@ -363,7 +362,8 @@ class TorchNativeAttnBackend(AttentionBackend):
         flat = g.kv_index.reshape(-1)
         k_suf = k_buf.index_select(0, flat).view(B, ls, Hkv, D).transpose(1, 2).to(q.dtype)
         v_suf = v_buf.index_select(0, flat).view(B, ls, Hkv, D).transpose(1, 2).to(q.dtype)
-        o_suf, lse_suf = flash(qf, k_suf, v_suf, attn_mask=g.bias, scale=layer.scaling)  # [B, Hkv, G * Lq, D]
+        # [B, Hkv, G * Lq, D] and [B, Hkv, G * Lq]
+        o_suf, lse_suf = sdpa_with_lse(qf, k_suf, v_suf, attn_mask=g.bias, scale=layer.scaling)
         if g.prefix_index is None:
             o = o_suf.view(B, Hkv, G, Lq, D).permute(0, 3, 1, 2, 4)  # [B, Lq, Hkv, G, D]
             if g.q_rows is not None:
@@ -403,8 +403,8 @@ class TorchNativeAttnBackend(AttentionBackend):
         q_seq = q.view(T, Hkv, G, D).transpose(0, 1).reshape(1, Hkv, T * G, D)  # row t * G + g
         k_suf = k_buf.index_select(0, g.kv_index).view(1, S, Hkv, D).transpose(1, 2).to(q.dtype)
         v_suf = v_buf.index_select(0, g.kv_index).view(1, S, Hkv, D).transpose(1, 2).to(q.dtype)
-        flash = torch.ops.aten._scaled_dot_product_flash_attention_for_cpu
-        o_suf, lse_suf = flash(q_seq, k_suf, v_suf, attn_mask=_token_bias(g, q.dtype, G), scale=layer.scaling)
+        bias = _token_bias(g, q.dtype, G)
+        o_suf, lse_suf = sdpa_with_lse(q_seq, k_suf, v_suf, attn_mask=bias, scale=layer.scaling)
         o_pre, lse_pre = _attend_prefix(q_seq, k_buf, v_buf, g, layer.scaling)
         # [1, Hkv, Tg * G, D] -> token order, merged straight into the output's layout.
         o_suf, o_pre = o_suf.view(Hkv, T, G, D), o_pre.view(Hkv, T, G, D)
@@ -442,7 +442,39 @@ def _attend_prefix(
         k_pre, v_pre = k_buf.index_select(0, g.prefix_index), v_buf.index_select(0, g.prefix_index)
     k_pre = k_pre.view(1, lp, Hkv, D).transpose(1, 2).to(q_seq.dtype)  # [1, Hkv, Lp, D]
     v_pre = v_pre.view(1, lp, Hkv, D).transpose(1, 2).to(q_seq.dtype)
-    return torch.ops.aten._scaled_dot_product_flash_attention_for_cpu(q_seq, k_pre, v_pre, scale=scale)
+    return sdpa_with_lse(q_seq, k_pre, v_pre, scale=scale)
+
+
+def sdpa_with_lse(
+    q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, attn_mask: torch.Tensor | None = None, scale: float | None = None
+) -> tuple[torch.Tensor, torch.Tensor]:
+    """Attention that also returns each query's log-sum-exp, which the cascade's merge needs:
+    q [B, H, Lq, D], k and v [B, H, Lk, D], attn_mask an additive bias broadcastable to
+    [B, H, Lq, Lk] -> out [B, H, Lq, D] in q's dtype and lse [B, H, Lq] float32 (any strides).
+
+    On the CPU, torch's flash kernel, which returns both. That op has a CPU kernel only, so
+    other devices (CUDA without FlashInfer, or float32 on CUDA) take _sdpa_with_lse_math."""
+    if q.device.type == "cpu":
+        return torch.ops.aten._scaled_dot_product_flash_attention_for_cpu(q, k, v, attn_mask=attn_mask, scale=scale)
+    return _sdpa_with_lse_math(q, k, v, attn_mask, scale)
+
+
+def _sdpa_with_lse_math(
+    q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, attn_mask: torch.Tensor | None, scale: float | None
+) -> tuple[torch.Tensor, torch.Tensor]:
+    """sdpa_with_lse in plain torch ops, computed in float32 whatever the input dtype: torch
+    has no public attention op that returns the log-sum-exp on every device (the private
+    CUDA ones that do put conditions on the mask's alignment and the head size). It holds
+    the [B, H, Lq, Lk] scores, which the groups that use it keep small: short rows, or one
+    shared prefix. A query that sees no key gets lse -inf and a zero output, so it adds no
+    mass to a merge (such queries do not occur: padded query rows see one real key)."""
+    scale = q.shape[-1] ** -0.5 if scale is None else scale
+    scores = torch.matmul(q.float(), k.float().transpose(-1, -2)).mul_(scale)  # [B, H, Lq, Lk]
+    if attn_mask is not None:
+        scores.add_(attn_mask.float())
+    lse = torch.logsumexp(scores, dim=-1)  # [B, H, Lq]
+    probs = torch.exp(scores - lse.unsqueeze(-1)).nan_to_num_(0.0)  # a row of -inf alone gives NaN
+    return torch.matmul(probs, v.float()).to(q.dtype), lse
 
 
 def _merge(
