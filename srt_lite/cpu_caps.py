@@ -7,7 +7,8 @@ The levels, from best to most portable:
 - `default`: anything else, ARM included: ATen's portable `at::vec` (NEON on aarch64).
 
 `SRT_LITE_CPU_CAPS=avx2` (or `default`) caps the level below what the CPU has, so that a
-better machine runs and tests the lower paths. The variable is also turned into torch's own
+better machine runs and tests the lower paths; `avx512` keeps AVX-512 but drops its BF16 and
+AMX instructions (a Skylake or Cascade Lake CPU). The variable is also turned into torch's own
 knobs (`ATEN_CPU_CAPABILITY`, `ONEDNN_MAX_CPU_ISA`, `MKL_ENABLE_INSTRUCTIONS`) by
 `export_forced_env()`, which srt_lite/__init__.py calls before torch is imported, so that
 oneDNN refuses what it would refuse on such a CPU and child processes inherit the cap.
@@ -27,6 +28,7 @@ FORCE_ENV = "SRT_LITE_CPU_CAPS"
 LEVELS = ("default", "avx2", "avx512")
 # torch's, oneDNN's and MKL's names for each level, used when a lower level is forced.
 _TORCH_KNOBS = {
+    "avx512": {"ONEDNN_MAX_CPU_ISA": "AVX512_CORE_VNNI"},
     "avx2": {"ATEN_CPU_CAPABILITY": "avx2", "ONEDNN_MAX_CPU_ISA": "AVX2", "MKL_ENABLE_INSTRUCTIONS": "AVX2"},
     "default": {"ATEN_CPU_CAPABILITY": "default", "ONEDNN_MAX_CPU_ISA": "SSE41", "MKL_ENABLE_INSTRUCTIONS": "SSE4_2"},
 }
@@ -125,8 +127,8 @@ def detect(flags: set[str] | None = None, arch: str | None = None, forced: str |
         level=level,
         avx2=avx2 and level != "default",
         avx512=avx512 and level == "avx512",
-        avx512_bf16=level == "avx512" and "avx512_bf16" in flags,
-        amx_bf16=level == "avx512" and "amx_bf16" in flags,
+        avx512_bf16=level == "avx512" and forced is None and "avx512_bf16" in flags,
+        amx_bf16=level == "avx512" and forced is None and "amx_bf16" in flags,
         arm_bf16=arch in ("aarch64", "arm64") and "bf16" in flags,
         onednn_bf16=False,
         forced=forced,

@@ -33,6 +33,7 @@ CLASSES = [
     ("AVX2 (oneDNN refuses bf16)", caps(AVX2, onednn=False), True, PATH_BF16_KERNEL, True),
     ("AVX2, no compiler", caps(AVX2, onednn=False), False, PATH_TORCH, False),
     ("AMX machine capped at AVX2", caps(SAPPHIRE_RAPIDS, forced="avx2"), True, PATH_BF16_KERNEL, True),
+    ("AMX machine capped at AVX-512", caps(SAPPHIRE_RAPIDS, forced="avx512"), True, PATH_BF16_KERNEL, True),
     ("ARM with BF16", caps({"fp", "asimd", "bf16", "sve"}, arch="aarch64"), True, PATH_PACKED, True),
     ("ARM without BF16", caps({"fp", "asimd"}, arch="aarch64", onednn=False), True, PATH_BF16_KERNEL, False),
     ("x86 before AVX2", caps({"sse4_2", "avx"}, onednn=False), True, PATH_BF16_KERNEL, False),
@@ -60,6 +61,8 @@ def test_levels_from_flags_and_the_cap():
     assert capped.level == "avx2" and not capped.avx512 and not capped.native_bf16 and not capped.onednn_bf16
     assert "capped by SRT_LITE_CPU_CAPS=avx2" in capped.describe()
     assert caps(SAPPHIRE_RAPIDS, forced="default").level == "default"
+    no_bf16 = caps(SAPPHIRE_RAPIDS, forced="avx512")
+    assert no_bf16.level == "avx512" and no_bf16.avx512 and not no_bf16.native_bf16
     assert caps(AVX2, onednn=False, forced="avx512").level == "avx2"  # a cap never raises the level
     assert caps(set()).describe() == "x86_64 default (no vector extensions)"
 
