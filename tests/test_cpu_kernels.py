@@ -247,3 +247,19 @@ def test_cascade_op_only_for_the_dtypes_and_head_sizes_it_computes():
     assert _cpp_cascade_ok(layer(64), torch.bfloat16) and _cpp_cascade_ok(layer(128), torch.float32)
     assert not _cpp_cascade_ok(layer(64), torch.float16)
     assert not _cpp_cascade_ok(layer(72), torch.bfloat16) and not _cpp_cascade_ok(layer(512), torch.bfloat16)
+
+
+def test_compiled_graphs_are_cached_per_build_of_the_ops(monkeypatch, tmp_path):
+    """A graph compiled against another build of the ops is never loaded: inductor's cache
+    folder is named by this build (torch, CPU level, sources); a folder the user chose wins."""
+    from torch._inductor.runtime.cache_dir_utils import default_cache_dir
+
+    monkeypatch.setenv("SRT_LITE_CACHE", str(tmp_path))
+    monkeypatch.setenv("TORCHINDUCTOR_CACHE_DIR", default_cache_dir())
+    cpu_kernels.use_private_inductor_cache()
+    tag = cpu_kernels.build_tag()
+    assert os.environ["TORCHINDUCTOR_CACHE_DIR"] == str(tmp_path / "inductor" / tag)
+    assert tag.startswith(f"torch{torch.__version__}-{cpu_caps.get().level}-")
+    monkeypatch.setenv("TORCHINDUCTOR_CACHE_DIR", str(tmp_path / "mine"))
+    cpu_kernels.use_private_inductor_cache()
+    assert os.environ["TORCHINDUCTOR_CACHE_DIR"] == str(tmp_path / "mine")

@@ -67,6 +67,29 @@ def _build() -> bool:
     return True
 
 
+def build_tag() -> str:
+    """Names this build of the ops: torch version, CPU level and a hash of the sources."""
+    import hashlib
+
+    digest = hashlib.sha256()
+    for path in SOURCES:
+        with open(path, "rb") as f:
+            digest.update(f.read())
+    return f"torch{torch.__version__}-{cpu_caps.get().level}-{digest.hexdigest()[:12]}"
+
+
+def use_private_inductor_cache() -> None:
+    """Points inductor's cache at a folder of this build of the ops (unless the user chose
+    one with TORCHINDUCTOR_CACHE_DIR). A compiled graph calls the ops by name from generated
+    C++, and inductor's cache keys know nothing of the ops' build: a graph compiled against
+    another build (another version of srt_lite, another CPU level) must not be loaded.
+    Importing inductor sets the variable to its default, so that value counts as unset."""
+    from torch._inductor.runtime.cache_dir_utils import default_cache_dir
+
+    if os.environ.get("TORCHINDUCTOR_CACHE_DIR") in (None, default_cache_dir()):
+        os.environ["TORCHINDUCTOR_CACHE_DIR"] = os.path.join(cache_root(), "inductor", build_tag())
+
+
 def _ninja_on_path() -> None:
     """cpp_extension runs `ninja` from PATH; the pip package's binary is in the venv, which
     is not on PATH when the server is started as .venv/bin/python."""

@@ -9,6 +9,7 @@ import torch
 import torch.nn.functional as F
 
 from srt_lite.distributed import get_tp_rank, get_tp_size
+from srt_lite.layers import cpu_kernels
 from srt_lite.layers.attention import create_attention_backend
 from srt_lite.layers.attention.flashinfer_backend import FlashInferAttnBackend
 from srt_lite import cpu_caps
@@ -99,6 +100,7 @@ class ModelRunner:
         (layers/cpu_kernels.py) the graph's attention and matmuls are C++ ops too."""
         self.attn_layers = {m.layer_id: m for m in self.model.modules() if isinstance(m, RadixAttention)}
         if getattr(self.attn_backend, "cpu_kernels", False):
+            cpu_kernels.use_private_inductor_cache()
             for layer in self.attn_layers.values():
                 layer.use_cpp_graph_op()
         options = {"cpp_wrapper": True} if self.device == "cpu" else None
