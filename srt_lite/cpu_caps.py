@@ -140,16 +140,32 @@ def detect(flags: set[str] | None = None, arch: str | None = None, forced: str |
     return dataclasses.replace(caps, onednn_bf16=bf16)
 
 
-def bf16_is_faster(caps: CpuCaps, kernels_built: bool) -> bool:
+# On AVX2, bf16 weights through the C++ kernel pay off from about this model size: below it
+# the product is bound by arithmetic more than by reading the weights, and fp32 is faster.
+AVX2_BF16_MIN_PARAMS = 500_000_000
+
+
+def bf16_is_faster(caps: CpuCaps, kernels_built: bool, num_params: int | None = None) -> bool:
     """`--dtype auto` on this CPU: bf16 weights where they were measured faster than fp32
-    (docs/benchmarks.md, "The dtype rule"). With native bf16 (AVX512-BF16, AMX; ARM BF16
-    where oneDNN takes it) oneDNN's bf16 is faster everywhere. On AVX2 and on AVX-512
-    without BF16, the C++ bf16 kernel decodes faster (half the bytes a token) and prefills
-    somewhat slower; decode is most of a chat's time. With only the portable build (ARM
-    without BF16, x86 before AVX2) bf16 is unmeasured and fp32 stays."""
+    for a model of `num_params` parameters (None: not known, taken as large) (figures in
+    docs/benchmarks.md, "The dtype rule").
+    - Native bf16 (AVX512-BF16, AMX; ARM BF16 where oneDNN takes it): oneDNN's bf16 is
+      faster at every batch size and in prefill.
+    - AVX-512 without BF16: the C++ bf16 kernel decodes faster (half the bytes a token) and
+      prefills somewhat slower; decode is most of a chat's time.
+    - AVX2: the same for large models; a small one is bound by arithmetic, where the
+      kernel's widening costs more than the bytes it saves, and fp32 is faster.
+    - Only the portable build (ARM without BF16, x86 before AVX2), or no C++ compiler:
+      bf16 is slower or unmeasured, and fp32 stays."""
     if caps.native_bf16 and caps.onednn_bf16:
         return True
-    return kernels_built and caps.level in ("avx2", "avx512")
+    if not kernels_built:
+        return False
+    if caps.level == "avx512":
+        return True
+    if caps.level == "avx2":
+        return num_params is None or num_params >= AVX2_BF16_MIN_PARAMS
+    return False
 
 
 @functools.lru_cache(maxsize=1)

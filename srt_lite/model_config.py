@@ -26,6 +26,15 @@ class ModelConfig:
     eos_token_ids: list[int]
     generation_defaults: dict  # temperature / top_p / top_k ... from generation_config.json
 
+    def approx_num_params(self) -> int:
+        """Parameters of a Llama-shaped decoder from its config (embedding, attention, MLP,
+        and an LM head unless tied), without loading the weights."""
+        cfg, h = self.hf_config, self.hidden_size
+        inter = getattr(cfg, "intermediate_size", 4 * h)
+        attn = h * (self.num_heads + 2 * self.num_kv_heads) * self.head_dim + self.num_heads * self.head_dim * h
+        heads = 1 if getattr(cfg, "tie_word_embeddings", False) else 2
+        return heads * self.vocab_size * h + self.num_layers * (attn + 3 * h * inter)
+
     def verify_tp(self, tp_size: int) -> None:
         """Refuses a tensor-parallel size the model cannot be split by, in one line."""
         inter = getattr(self.hf_config, "intermediate_size", tp_size)

@@ -42,12 +42,24 @@ CLASSES = [
 
 @pytest.mark.parametrize("name,c,built,path,bf16", CLASSES, ids=[c[0] for c in CLASSES])
 def test_linear_path_and_auto_dtype_per_cpu_class(name, c, built, path, bf16):
+    """auto for a large model (1.2B parameters, or not known); small models below."""
     assert cpu_linear_path(torch.bfloat16, caps=c, kernels_built=built) == path
     assert cpu_caps.bf16_is_faster(c, built) == bf16
+    assert cpu_caps.bf16_is_faster(c, built, 1_200_000_000) == bf16
     # fp32 and fp16 weights, or packing switched off, always take F.linear.
     assert cpu_linear_path(torch.float32, caps=c, kernels_built=built) == PATH_TORCH
     assert cpu_linear_path(torch.float16, caps=c, kernels_built=built) == PATH_TORCH
     assert cpu_linear_path(torch.bfloat16, disable_packing=True, caps=c, kernels_built=built) == PATH_TORCH
+
+
+def test_auto_dtype_for_a_small_model_on_avx2_is_fp32():
+    """On AVX2 a 135M model is bound by arithmetic, where fp32 was faster; every other
+    class decides as for a large model."""
+    small = 135_000_000
+    assert not cpu_caps.bf16_is_faster(caps(AVX2, onednn=False), True, small)
+    assert cpu_caps.bf16_is_faster(caps(AVX2, onednn=False), True, cpu_caps.AVX2_BF16_MIN_PARAMS)
+    assert cpu_caps.bf16_is_faster(caps(AVX512), True, small)
+    assert cpu_caps.bf16_is_faster(caps(SAPPHIRE_RAPIDS), True, small)
 
 
 def test_levels_from_flags_and_the_cap():

@@ -90,9 +90,17 @@ def test_resolve_dtype_names_and_auto():
     from srt_lite import cpu_caps
     from srt_lite.layers import cpu_kernels
 
-    bf16 = cpu_caps.bf16_is_faster(cpu_caps.get(), cpu_kernels.load())
-    assert resolve_dtype("auto", "cpu") == (torch.bfloat16 if bf16 else torch.float32)
+    for n in (None, 135_000_000):
+        bf16 = cpu_caps.bf16_is_faster(cpu_caps.get(), cpu_kernels.load(), n)
+        assert resolve_dtype("auto", "cpu", n) == (torch.bfloat16 if bf16 else torch.float32)
     assert resolve_dtype("auto", "cuda") == torch.bfloat16
     assert resolve_dtype("float32", "cpu") == torch.float32 and resolve_dtype("bf16", "cpu") == torch.bfloat16
     with pytest.raises(ValueError, match="unsupported dtype"):
         resolve_dtype("int8", "cpu")
+
+
+def test_parameter_count_from_the_config(default_model_config, hf_model):
+    """The dtype rule's model size, read from the config: the default model's parameters
+    as transformers counts them, less its norms' few thousand weights."""
+    n = default_model_config.approx_num_params()
+    assert 0 <= hf_model.num_parameters() - n < 0.001 * n

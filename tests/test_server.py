@@ -160,7 +160,9 @@ def test_startup_banner_and_progress_lines(server):
     assert "srt_lite is ready" in log
     assert "  KV cache     8192 tokens" in log
     assert "  max context  8192 tokens" in log
-    dtype = resolve_dtype("auto", "cpu")
+    from srt_lite.model_config import ModelConfig
+
+    dtype = resolve_dtype("auto", "cpu", ModelConfig.load(None).approx_num_params())
     assert f"  dtype        {str(dtype).removeprefix('torch.')} on cpu, tensor parallel 1" in log
     assert f"  compute      linears: {cpu_linear_path(dtype)}; CPU {cpu_caps.get().describe()}" in log
     assert f"  URL          http://127.0.0.1:{port}  (OpenAI API: http://127.0.0.1:{port}/v1)" in log

@@ -36,7 +36,7 @@ class ModelRunner:
         self.model_config = model_config
         self.server_args = server_args
         self.device = resolve_device(server_args.device)
-        self.dtype = resolve_dtype(server_args.dtype, self.device)
+        self.dtype = resolve_dtype(server_args.dtype, self.device, model_config.approx_num_params())
         self.tp_rank, self.tp_size = get_tp_rank(), get_tp_size()
         model_config.verify_tp(self.tp_size)
         self.load_model()
