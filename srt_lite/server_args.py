@@ -40,8 +40,8 @@ class ServerArgs:
     )
     dtype: str = _arg(
         "auto",
-        "Weight and activation dtype. auto = bfloat16 on CUDA and on CPUs with BF16 units, "
-        "else float32.",
+        "Weight and activation dtype. auto = bfloat16 on CUDA; on a CPU, whichever of bfloat16 "
+        "and float32 was measured faster for its class (docs/benchmarks.md).",
         "Model",
         choices=["auto", "float32", "bfloat16", "float16"],
     )
@@ -135,8 +135,8 @@ class ServerArgs:
     device: str = _arg("auto", "cpu, cuda or auto.", "Runtime", choices=["auto", "cpu", "cuda"])
     tp_size: int = _arg(1, "Tensor-parallel size (one scheduler process per rank).", "Runtime")
     attention_backend: str = _arg(
-        "auto", "Attention kernels: auto = flashinfer on CUDA when flashinfer-python is installed, "
-        "torch_native otherwise.",
+        "auto", "Attention kernels: auto = flashinfer on CUDA when flashinfer-python is installed "
+        "(torch_native for float32, which FlashInfer does not run), torch_native otherwise.",
         "Runtime", choices=["auto", "torch_native", "flashinfer"],
     )
     disable_weight_packing: bool = _arg(
