@@ -86,7 +86,7 @@ def test_greedy_chat_equals_transformers_generate(runner_fp32, hf_model, tokeniz
 
 
 @pytest.mark.cpu_caps
-@pytest.mark.parametrize("dtype", ["auto", "bfloat16", "float32"])
+@pytest.mark.parametrize("dtype", ["auto", "bfloat16", "float32", "float16"])
 def test_capital_of_france_in_every_dtype(default_model_config, tokenizer, dtype):
     """Each dtype runs on any CPU, through the linear path this CPU has."""
     runner = ModelRunner(default_model_config, ServerArgs(dtype=dtype, max_total_tokens=1024))
