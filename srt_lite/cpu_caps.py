@@ -25,6 +25,8 @@ import platform
 logger = logging.getLogger(__name__)
 
 FORCE_ENV = "SRT_LITE_CPU_CAPS"
+_X86 = ("x86_64", "amd64", "AMD64", "i686", "i386")  # platform.machine() names
+_ARM = ("aarch64", "arm64")
 LEVELS = ("default", "avx2", "avx512")
 # torch's, oneDNN's and MKL's names for each level, used when a lower level is forced.
 _TORCH_KNOBS = {
@@ -47,12 +49,8 @@ class CpuCaps:
     forced: str | None  # the SRT_LITE_CPU_CAPS cap, if any
 
     @property
-    def is_x86(self) -> bool:
-        return self.arch in ("x86_64", "amd64", "AMD64", "i686", "i386")
-
-    @property
     def is_arm(self) -> bool:
-        return self.arch in ("aarch64", "arm64")
+        return self.arch in _ARM
 
     @property
     def native_bf16(self) -> bool:
@@ -65,9 +63,6 @@ class CpuCaps:
                                  ("amx_bf16", self.amx_bf16), ("arm_bf16", self.arm_bf16)) if on]
         forced = f", capped by {FORCE_ENV}={self.forced}" if self.forced else ""
         return f"{self.arch} {self.level} ({' '.join(names) or 'no vector extensions'}{forced})"
-
-    def as_dict(self) -> dict:
-        return dataclasses.asdict(self) | {"native_bf16": self.native_bf16}
 
 
 def forced_level() -> str | None:
@@ -116,7 +111,7 @@ def detect(flags: set[str] | None = None, arch: str | None = None, forced: str |
     machine in tests; by default they are read from it."""
     flags = _cpu_flags() if flags is None else flags
     arch = platform.machine() if arch is None else arch
-    x86 = arch in ("x86_64", "amd64", "AMD64", "i686", "i386")
+    x86 = arch in _X86
     avx2 = x86 and {"avx2", "fma", "f16c"} <= flags
     avx512 = avx2 and {"avx512f", "avx512bw", "avx512vl", "avx512dq"} <= flags
     level = "avx512" if avx512 else "avx2" if avx2 else "default"
@@ -129,7 +124,7 @@ def detect(flags: set[str] | None = None, arch: str | None = None, forced: str |
         avx512=avx512 and level == "avx512",
         avx512_bf16=level == "avx512" and forced is None and "avx512_bf16" in flags,
         amx_bf16=level == "avx512" and forced is None and "amx_bf16" in flags,
-        arm_bf16=arch in ("aarch64", "arm64") and "bf16" in flags,
+        arm_bf16=arch in _ARM and "bf16" in flags,
         onednn_bf16=False,
         forced=forced,
     )

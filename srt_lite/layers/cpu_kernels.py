@@ -3,8 +3,9 @@
 torch.utils.cpp_extension compiles them with the machine's C++ compiler (the one inductor's
 C++ wrapper uses) into the srt_lite cache, once per machine and torch version (~10-40 s),
 and registers `torch.ops.srt_lite_cpu.*`: the attention backend's cascade step, the
-compiled graph's packed linear and the bf16-weight linear for CPUs where oneDNN refuses bf16. Without a compiler, or with SRT_LITE_DISABLE_CPU_KERNELS=1,
-`load()` returns False and the callers keep their torch ops.
+compiled graph's packed linear, and the bf16-weight linear for CPUs without fast oneDNN bf16.
+Without a compiler, or with SRT_LITE_DISABLE_CPU_KERNELS=1, `load()` returns False and the
+callers keep their torch ops.
 """
 
 from __future__ import annotations

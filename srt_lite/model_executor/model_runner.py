@@ -8,12 +8,12 @@ import time
 import torch
 import torch.nn.functional as F
 
+from srt_lite import cpu_caps
 from srt_lite.distributed import get_tp_rank, get_tp_size
 from srt_lite.layers import cpu_kernels
 from srt_lite.layers.attention import create_attention_backend
 from srt_lite.layers.attention.flashinfer_backend import FlashInferAttnBackend
-from srt_lite import cpu_caps
-from srt_lite.layers.linear import PATH_PACKED, bucketed_rows, cpu_linear_path, prepare_linears_for_cpu
+from srt_lite.layers.linear import PATH_PACKED, PATH_TORCH, bucketed_rows, cpu_linear_path, prepare_linears_for_cpu
 from srt_lite.layers.logits_processor import LogitsProcessorOutput
 from srt_lite.layers.radix_attention import RadixAttention, compiled_forward_batch
 from srt_lite.mem_cache.memory_pool import ReqToTokenPool, TokenToKVPool
@@ -75,7 +75,7 @@ class ModelRunner:
         self.weight_bytes = sum(p.numel() * p.element_size() for p in self.model.parameters())
         # Packed linears run at bucketed row counts; forward() pads the tokens once for them.
         self.pad_rows = False
-        self.linear_path = "cuda" if self.device.startswith("cuda") else self.device
+        self.linear_path = PATH_TORCH  # F.linear (cuBLAS on CUDA)
         if self.device == "cpu":
             self.linear_path = cpu_linear_path(self.dtype, self.server_args.disable_weight_packing)
             prepare_linears_for_cpu(self.model, self.linear_path)
