@@ -22,9 +22,11 @@ import logging
 import os
 import platform
 
+from srt_lite import envs
+
 logger = logging.getLogger(__name__)
 
-FORCE_ENV = "SRT_LITE_CPU_CAPS"
+FORCE_ENV = envs.CPU_CAPS.name
 _X86 = ("x86_64", "amd64", "AMD64", "i686", "i386")  # platform.machine() names
 _ARM = ("aarch64", "arm64")
 LEVELS = ("default", "avx2", "avx512")
@@ -66,7 +68,7 @@ class CpuCaps:
 
 
 def forced_level() -> str | None:
-    value = os.environ.get(FORCE_ENV, "").strip().lower()
+    value = envs.CPU_CAPS.get().strip().lower()
     if not value:
         return None
     if value not in LEVELS:

@@ -10,6 +10,8 @@ from typing import Iterable, Iterator, TypeVar
 
 import torch
 
+from srt_lite import envs
+
 logger = logging.getLogger(__name__)
 
 
@@ -88,7 +90,7 @@ def get_free_port(host: str = "127.0.0.1") -> int:
 
 def cache_root() -> str:
     """Where converted models live: $SRT_LITE_CACHE, else ~/.cache/srt_lite."""
-    return os.environ.get("SRT_LITE_CACHE") or os.path.join(
+    return envs.CACHE_DIR.get() or os.path.join(
         os.path.expanduser("~"), ".cache", "srt_lite"
     )
 

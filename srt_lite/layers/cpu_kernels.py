@@ -17,6 +17,7 @@ import time
 import torch
 
 from srt_lite import cpu_caps
+from srt_lite import envs
 from srt_lite.utils import cache_root
 
 logger = logging.getLogger(__name__)
@@ -45,7 +46,7 @@ def load() -> bool:
 
 
 def _build() -> bool:
-    if os.environ.get("SRT_LITE_DISABLE_CPU_KERNELS", "0") not in ("", "0"):
+    if envs.DISABLE_CPU_KERNELS.is_set():
         return False
     t0 = time.perf_counter()
     try:

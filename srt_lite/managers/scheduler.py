@@ -20,6 +20,7 @@ import torch
 import zmq
 
 from srt_lite import cpu_caps
+from srt_lite import envs
 from srt_lite.layers.linear import EXACT_ROWS
 from srt_lite.managers import io_struct
 from srt_lite.managers.io_struct import (
@@ -103,7 +104,7 @@ class Scheduler:
         self.num_retractions = 0
         self.forward_steps = 0
         # Test hook: raise inside the loop after this many forward steps (fault tests).
-        self.crash_at_step = int(os.environ.get("SRT_LITE_TEST_CRASH_AT_STEP", "0"))
+        self.crash_at_step = envs.TEST_CRASH_AT_STEP.get_int()
         self.decode_tokens_since_log = 0
         # Speculative decoding since start: request-steps that verified drafts, the tokens they
         # produced; and both at the last decode log line.

@@ -3,12 +3,13 @@
 from __future__ import annotations
 
 import itertools
-import os
 import time
 from dataclasses import dataclass, field
 
 import orjson
 import torch
+
+from srt_lite import envs
 
 from srt_lite.managers.schedule_batch import Req, ScheduleBatch
 from srt_lite.model_config import ModelConfig
@@ -37,7 +38,7 @@ class TpModelWorker:
         self.sampler = Sampler(server_args.random_seed, self.device)
         # benchmarks/replay_steps.py: each forward's rows appended to this file (JSON lines),
         # so a server run's steps can be replayed in one process to compare code variants.
-        self.record_steps = os.environ.get("SRT_LITE_RECORD_STEPS")
+        self.record_steps = envs.RECORD_STEPS.get()
 
     def forward_batch_generation(
         self, batch: ScheduleBatch, out_cache_loc: torch.Tensor, infos: list[SamplingBatchInfo]

@@ -11,7 +11,6 @@ from typing import Iterable
 import torch
 from torch import nn
 
-from srt_lite.distributed import get_tp_size
 from srt_lite.layers.activation import SiluAndMul
 from srt_lite.layers.embedding import ParallelLMHead, VocabParallelEmbedding
 from srt_lite.layers.layernorm import RMSNorm

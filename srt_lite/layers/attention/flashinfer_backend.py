@@ -22,11 +22,11 @@ in float16 or bfloat16 only: `auto` gives float32 models torch_native (layers/at
 
 from __future__ import annotations
 
-import os
 from typing import TYPE_CHECKING, Any
 
 import torch
 
+from srt_lite import envs
 from srt_lite.layers.attention.base import AttentionBackend
 from srt_lite.layers.radix_attention import RadixAttention
 
@@ -42,7 +42,7 @@ if TYPE_CHECKING:
 # engine that serves large batches with this code path, not the smallest that may do.
 WORKSPACE_BYTES = 384 * 2**20
 QWEN_WORKSPACE_BYTES = 512 * 2**20
-WORKSPACE_ENV = "SRT_LITE_FLASHINFER_WORKSPACE_SIZE"  # bytes; overrides the above, as SGLang's env does
+WORKSPACE_ENV = envs.FLASHINFER_WORKSPACE_SIZE.name  # bytes; overrides the above, as SGLang's env does
 _QWEN_ARCHITECTURES = ("Qwen2ForCausalLM", "Qwen3ForCausalLM")
 
 # Both wrappers are pinned to FlashInfer's FA2 kernels, as SGLang pins them
@@ -55,7 +55,7 @@ FLASHINFER_KERNELS = "fa2"
 
 def workspace_bytes(architectures: list[str] | None) -> int:
     """The float workspace size for a model with these HF architectures."""
-    env = os.environ.get(WORKSPACE_ENV)
+    env = envs.FLASHINFER_WORKSPACE_SIZE.get()
     if env:
         return int(env)
     if any(a in _QWEN_ARCHITECTURES for a in architectures or []):
