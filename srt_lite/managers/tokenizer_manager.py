@@ -26,6 +26,7 @@ from srt_lite.managers.io_struct import (
     SchedulerReady,
     TokenizedGenerateReqInput,
 )
+from srt_lite.managers.validation import NO_LOGPROBS, LogprobOptions, RequestError, check_input, parse_sampling_params
 from srt_lite.sampling.sampling_params import SamplingParams
 from srt_lite.server_args import PortArgs, ServerArgs
 from srt_lite.utils import zmq_socket
@@ -34,53 +35,6 @@ if TYPE_CHECKING:
     from srt_lite.metrics import MetricsCollector
 
 logger = logging.getLogger(__name__)
-
-
-class RequestError(ValueError):
-    """A request that cannot be served as sent; the message is shown to the client (400)."""
-
-
-@dataclass(frozen=True)
-class LogprobOptions:
-    """SGLang's logprob request fields."""
-
-    return_logprob: bool = False
-    logprob_start_len: int = -1
-    top_logprobs_num: int = 0
-    token_ids_logprob: list[int] | None = None
-    return_text_in_logprobs: bool = False
-
-    @classmethod
-    def from_body(cls, body: dict) -> "LogprobOptions":
-        opts = cls(
-            return_logprob=body.get("return_logprob", False),
-            logprob_start_len=body.get("logprob_start_len", -1),
-            top_logprobs_num=body.get("top_logprobs_num", 0) or 0,
-            token_ids_logprob=body.get("token_ids_logprob"),
-            return_text_in_logprobs=body.get("return_text_in_logprobs", False),
-        )
-        opts.verify()
-        return opts
-
-    def verify(self, vocab_size: int | None = None) -> None:
-        for name in ("return_logprob", "return_text_in_logprobs"):
-            if not isinstance(getattr(self, name), bool):
-                raise RequestError(f"{name} must be a boolean")
-        for name, lo in (("logprob_start_len", -1), ("top_logprobs_num", 0)):
-            v = getattr(self, name)
-            if isinstance(v, bool) or not isinstance(v, int) or v < lo:
-                raise RequestError(f"{name} must be an integer >= {lo}")
-        if self.top_logprobs_num > 1000:
-            raise RequestError("top_logprobs_num must be <= 1000")
-        ids = self.token_ids_logprob
-        if ids is not None:
-            if not isinstance(ids, list) or not all(isinstance(t, int) and not isinstance(t, bool) and t >= 0 for t in ids):
-                raise RequestError("token_ids_logprob must be a list of token ids")
-            if vocab_size is not None and any(t >= vocab_size for t in ids):
-                raise RequestError("token_ids_logprob contains an id outside the vocabulary")
-
-
-NO_LOGPROBS = LogprobOptions()
 
 
 class Overloaded(Exception):
@@ -214,31 +168,10 @@ class TokenizerManager:
         return self.tokenizer.encode(text)
 
     def make_sampling_params(self, d: dict | None) -> SamplingParams:
-        try:
-            params = SamplingParams.from_dict(d)
-            params.verify(self.info.vocab_size)
-        except (TypeError, ValueError) as e:
-            raise RequestError(str(e)) from None
-        return params
+        return parse_sampling_params(d, self.info.vocab_size)
 
     def validate(self, input_ids: list[int], params: SamplingParams) -> None:
-        n = len(input_ids)
-        if n == 0:
-            raise RequestError("the prompt is empty")
-        if n >= self.context_len:
-            raise RequestError(
-                f"The input ({n} tokens) is longer than the model's context length ({self.context_len} tokens)."
-            )
-        if n + params.max_new_tokens > self.context_len:
-            raise RequestError(
-                f"Requested token count exceeds the model's maximum context length of {self.context_len} tokens. "
-                f"You requested a total of {n + params.max_new_tokens} tokens: {n} tokens from the input "
-                f"and {params.max_new_tokens} tokens for the completion. Please reduce the number of tokens "
-                "in the input or the completion to fit within the limit."
-            )
-        vocab = self.info.vocab_size
-        if any((not isinstance(t, int)) or isinstance(t, bool) or t < 0 or t >= vocab for t in input_ids):
-            raise RequestError(f"input_ids must be integers in [0, {vocab})")
+        check_input(input_ids, params, self.context_len, self.info.vocab_size)
 
     async def generate(
         self,
