@@ -15,7 +15,7 @@ import time
 
 import torch
 
-from srt_lite.managers.schedule_batch import Req
+from srt_lite.req import Req
 from srt_lite.sampling.sampler import Sampler
 from srt_lite.sampling.sampling_batch_info import SamplingBatchInfo
 from srt_lite.sampling.sampling_params import SamplingParams

@@ -17,7 +17,7 @@ import argparse
 import json
 import logging
 
-from srt_lite.managers.schedule_batch import Req
+from srt_lite.req import Req
 from srt_lite.sampling.sampling_params import SamplingParams
 from srt_lite.speculative.ngram import NgramProposer, accept_greedy
 

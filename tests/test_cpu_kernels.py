@@ -216,7 +216,7 @@ def test_compiled_graph_runs_a_token_cascade_step_in_cpp_and_other_steps_in_pyth
         args = ServerArgs(dtype="bfloat16", max_total_tokens=4096, enable_torch_compile=compile_)
         runner = ModelRunner(ModelConfig.load(path), args)
         if compile_:
-            runner.warmup(max_batch=2, max_verify=3)
+            runner.warmup(max_batch=2, num_draft_tokens=2)
         g = torch.Generator().manual_seed(8)
         prefix = torch.randint(3, 320, (80,), generator=g).tolist()
         h = Harness(runner)

@@ -6,7 +6,7 @@ import math
 
 import torch
 
-from srt_lite.managers.schedule_batch import Req
+from srt_lite.req import Req
 from srt_lite.sampling.penalties import apply_penalties
 from srt_lite.sampling.sampler import (
     ARGMAX_BLOCK,

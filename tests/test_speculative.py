@@ -17,7 +17,7 @@ import pytest
 from conftest import PROMPTS, wait_idle
 from server_utils import ServerProcess
 from test_scheduler import LONG, PRESSURE
-from srt_lite.managers.schedule_batch import Req
+from srt_lite.req import Req
 from srt_lite.sampling.sampling_params import SamplingParams
 from srt_lite.speculative.ngram import PROBE_INTERVAL, AcceptStats, NgramIndex, NgramProposer, SharedNgramTable, accept_greedy
 

@@ -107,11 +107,11 @@ def test_warmup_runs_prefill_decode_verify_and_a_full_chunk_then_frees_its_kv(tm
     forward = runner.forward
     monkeypatch.setattr(runner, "forward", lambda fb: shapes.append(fb.extend_seq_lens_cpu) or forward(fb))
     free, rows = runner.token_to_kv_pool.available_size(), runner.req_to_token_pool.available_size()
-    runner.warmup(max_batch=4, max_verify=3, prefill_tokens=200)
+    runner.warmup(max_batch=4, num_draft_tokens=2, prefill_tokens=200)
     assert shapes == [[8] * 4, [1], [1] * 2, [1] * 4, [2], [3], [200]]
     assert runner.token_to_kv_pool.available_size() == free and runner.req_to_token_pool.available_size() == rows
     shapes.clear()
-    runner.warmup(max_batch=4, max_verify=3, prefill_tokens=1500)  # longer than the context: skipped
+    runner.warmup(max_batch=4, num_draft_tokens=2, prefill_tokens=1500)  # longer than the context: skipped
     assert shapes == [[8] * 4, [1], [1] * 2, [1] * 4, [2], [3]]
 
 
@@ -244,7 +244,7 @@ def test_torch_compile_matches_eager(kind, dtype, tmp_path):
         assert compiled.linear_path == PATH_BF16_KERNEL
         assert all(m.bf16_kernel for m in compiled.model.modules() if isinstance(m, PackableLinear))
     graphs_before = counters["stats"]["unique_graphs"]
-    compiled.warmup(max_batch=2, max_verify=3)
+    compiled.warmup(max_batch=2, num_draft_tokens=2)
     assert counters["stats"]["unique_graphs"] - graphs_before == 2  # many tokens, one token
     graphs_before = counters["stats"]["unique_graphs"]
     g = torch.Generator().manual_seed(3)

@@ -60,6 +60,7 @@ class GetLoadReqOutput:
     kv_capacity: int
     invariant_ok: bool  # free + cached + in use == capacity, and the tree checks out
     num_retractions: int = 0  # since start
+    num_aborted_reqs: int = 0  # since start: ended by an abort (client gone, /abort_request, shutdown)
     evicted_tokens: int = 0  # since start
     gen_throughput: float = 0.0  # token/s over the latest decode log interval
     # Speculative decoding since start: request-steps that verified draft tokens, and the
@@ -72,20 +73,22 @@ class GetLoadReqOutput:
 class BatchTokenIDOut:
     """Scheduler -> Detokenizer: new token ids of every request that advanced this step."""
 
-    rids: list[str]
-    new_ids: list[list[int]]  # ids generated since the previous message for that rid
-    finished_reasons: list[dict | None]  # {"type": "stop"|"length"|"abort", "matched": ..., "message"?}
-    prompt_tokens: list[int]
-    completion_tokens: list[int]
-    cached_tokens: list[int]
+    rids: list[str] = field(default_factory=list)
+    # ids generated since the previous message for that rid
+    new_ids: list[list[int]] = field(default_factory=list)
+    # {"type": "stop"|"length"|"abort", "matched": ..., "message"?}
+    finished_reasons: list[dict | None] = field(default_factory=list)
+    prompt_tokens: list[int] = field(default_factory=list)
+    completion_tokens: list[int] = field(default_factory=list)
+    cached_tokens: list[int] = field(default_factory=list)
     # Per request, None or new logprob entries since the previous message, keyed like SGLang's
     # meta_info fields ("output_token_logprobs": [[logprob, id], ...], "input_top_logprobs", ...).
-    logprobs: list[dict | None]
+    logprobs: list[dict | None] = field(default_factory=list)
     # Detokenization settings, repeated per message so the detokenizer keeps no set-up state.
-    skip_special_tokens: list[bool]
-    spaces_between_special_tokens: list[bool]
-    stops: list[list[str]]
-    no_stop_trim: list[bool]
+    skip_special_tokens: list[bool] = field(default_factory=list)
+    spaces_between_special_tokens: list[bool] = field(default_factory=list)
+    stops: list[list[str]] = field(default_factory=list)
+    no_stop_trim: list[bool] = field(default_factory=list)
     # For metrics: seconds the request waited before its first scheduling, and the wall-clock
     # time (time.time()) of its first output token; None until known.
     queue_times: list[float | None] = field(default_factory=list)

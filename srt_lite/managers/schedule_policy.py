@@ -5,14 +5,25 @@ most cached tokens first, so a shared prefix is reused while it is still in the 
 Budget: new tokens are capped per batch (max_prefill_tokens) and per step (chunked prefill:
 a prompt longer than the budget is split, one chunked request at a time), and a request is
 admitted only if the KV it needs now plus a reserve for future decode tokens is available.
+Retraction, admission's inverse, sends running requests back to the queue when decoding runs
+out of KV: those with the fewest generated tokens first.
+
+Everything here is pure bookkeeping over requests and numbers, testable without a model.
 """
 
 from __future__ import annotations
 
 from typing import Callable
 
-from srt_lite.managers.schedule_batch import Req
+from srt_lite.req import Req
 
+# Decode-token reserve for admission: each running request is expected to need
+# ratio * (its remaining max_new_tokens, clipped) more slots. The ratio decays while memory is
+# fine and jumps back after a retraction (SGLang's scheme).
+INIT_NEW_TOKEN_RATIO = 0.7
+MIN_NEW_TOKEN_RATIO = 0.1
+NEW_TOKEN_RATIO_DECAY = 0.001
+RESERVE_CLIP = 4096
 # Requests beyond this queue length are not prefix-matched for ordering (too costly).
 LPM_MAX_QUEUE = 128
 # Uncached tokens a waiting request must share with one already in the batch to be deferred.
@@ -82,3 +93,35 @@ class PrefillAdder:
         if not full:
             self.chunked_req = req
         return True
+
+
+class DecodeReserve:
+    """The KV slots running requests are expected to still need, as a learned ratio of what
+    they could need at most: admission leaves that much free."""
+
+    def __init__(self) -> None:
+        self.ratio = INIT_NEW_TOKEN_RATIO
+
+    def of(self, req: Req) -> int:
+        left = req.sampling_params.max_new_tokens - len(req.output_ids)
+        return int(min(max(left, 0), RESERVE_CLIP) * self.ratio)
+
+    def reset(self) -> None:
+        """An idle server starts over from the initial estimate."""
+        self.ratio = INIT_NEW_TOKEN_RATIO
+
+    def decay(self) -> None:
+        """A decode step that found enough KV: expect a little less next time."""
+        self.ratio = max(self.ratio - NEW_TOKEN_RATIO_DECAY, MIN_NEW_TOKEN_RATIO)
+
+    def after_retraction(self, used_slots: int, running: list[Req]) -> None:
+        """After a retraction, the ratio that the slots in use are of what the remaining
+        requests may still generate (plus a margin): admission becomes cautious."""
+        total = sum(r.sampling_params.max_new_tokens - len(r.output_ids) for r in running) or 1
+        self.ratio = min(1.0, (used_slots + 0.0) / total + 0.1)
+
+
+def retraction_order(running: list[Req]) -> list[Req]:
+    """Who goes back to the queue first when KV runs out: the requests that have generated
+    the fewest tokens (least work lost), and among those the longest prompts (most KV freed)."""
+    return sorted(running, key=lambda r: (len(r.output_ids), -len(r.origin_input_ids)))

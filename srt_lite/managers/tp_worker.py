@@ -11,7 +11,8 @@ import torch
 
 from srt_lite import envs
 
-from srt_lite.managers.schedule_batch import Req, ScheduleBatch
+from srt_lite.managers.schedule_batch import ScheduleBatch
+from srt_lite.req import Req
 from srt_lite.model_config import ModelConfig
 from srt_lite.model_executor.model_runner import ModelRunner
 from srt_lite.sampling.sampler import LogprobRequest, Sampler, SampleOutput, gather_logprobs

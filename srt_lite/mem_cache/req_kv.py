@@ -13,7 +13,7 @@ from __future__ import annotations
 
 import torch
 
-from srt_lite.managers.schedule_batch import Req
+from srt_lite.req import Req
 from srt_lite.mem_cache.memory_pool import ReqToTokenPool, TokenToKVPool
 from srt_lite.mem_cache.radix_cache import RadixCache
 
@@ -32,12 +32,36 @@ class ReqKVManager:
         """Slots a new allocation can get: free now, or freed by evicting unlocked cache."""
         return self.token_to_kv_pool.available_size() + self.tree.evictable_size()
 
+    @property
+    def capacity(self) -> int:
+        return self.token_to_kv_pool.size
+
+    def free_slots(self) -> int:
+        """Slots on the free list now (not counting evictable cache)."""
+        return self.token_to_kv_pool.available_size()
+
+    def cached_slots(self) -> int:
+        """Slots only the radix cache holds: evictable when KV runs short."""
+        return self.tree.evictable_size()
+
     def alloc(self, n: int) -> torch.Tensor | None:
         pool = self.token_to_kv_pool
         short = n - pool.available_size()
         if short > 0:
             self.evicted_tokens += self.tree.evict(short)
         return pool.alloc(n)
+
+    def alloc_extend(self, reqs: list[Req]) -> torch.Tensor:
+        """Slots for one step: each request's next extend_len tokens, written into its row
+        after its kv_len. Returns them in request order (the step's out_cache_loc). The
+        caller has checked that they are available."""
+        out_cache_loc = self.alloc(sum(r.extend_len for r in reqs))  # [sum of extend_len]
+        assert out_cache_loc is not None, "admission checked KV availability"
+        off = 0
+        for r in reqs:
+            self.write(r, r.kv_len, out_cache_loc[off : off + r.extend_len])
+            off += r.extend_len
+        return out_cache_loc
 
     # ---- request lifecycle -----------------------------------------------------------
 

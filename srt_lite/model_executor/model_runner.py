@@ -13,7 +13,7 @@ from srt_lite.distributed import get_tp_rank, get_tp_size
 from srt_lite.layers import cpu_kernels
 from srt_lite.layers.attention import create_attention_backend
 from srt_lite.layers.attention.flashinfer_backend import FlashInferAttnBackend
-from srt_lite.layers.linear import PATH_PACKED, PATH_TORCH, bucketed_rows, cpu_linear_path, prepare_linears_for_cpu
+from srt_lite.layers.linear import EXACT_ROWS, PATH_PACKED, PATH_TORCH, bucketed_rows, cpu_linear_path, prepare_linears_for_cpu
 from srt_lite.layers.logits_processor import LogitsProcessorOutput
 from srt_lite.layers.radix_attention import RadixAttention, compiled_forward_batch
 from srt_lite.mem_cache.memory_pool import ReqToTokenPool, TokenToKVPool
@@ -172,12 +172,14 @@ class ModelRunner:
     # and torch.compile guards on that (an inference tensor input would compile the graphs
     # again for the first real batches).
     @torch.no_grad()
-    def warmup(self, max_batch: int, max_verify: int = 1, prefill_tokens: int = 0) -> None:
+    def warmup(self, max_batch: int, num_draft_tokens: int = 0, prefill_tokens: int = 0) -> None:
         """Dummy forwards before serving: a prefill, then decode steps at batch sizes up to
-        `max_batch`, (speculative decoding) one request verifying 2..max_verify tokens, and
+        `max_batch`, (speculative decoding) one request verifying 2..max_verify tokens (as
+        far as the CPU linears run those row counts unpadded), and
         one prompt of `prefill_tokens` (a full prefill chunk: its first use cost ~100 ms more
         on the CPU), so the first requests do not pay for kernel set-up (oneDNN creates a
         primitive per new shape) and allocator growth. Uses scratch KV that it frees."""
+        max_verify = min(num_draft_tokens + 1, EXACT_ROWS) if num_draft_tokens else 1
         sizes = [b for b in (1, 2, 4, 8, 16, 32) if b <= max_batch] or [1]
         prompt = 8
         width = prompt + max(max_verify, 1)  # KV slots per scratch request

@@ -15,7 +15,7 @@ from typing import TYPE_CHECKING
 import torch
 
 if TYPE_CHECKING:
-    from srt_lite.managers.schedule_batch import Req
+    from srt_lite.req import Req
 
 
 @dataclass

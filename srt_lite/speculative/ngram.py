@@ -25,12 +25,12 @@ n-grams of a long document).
 How many tokens to draft is decided per request and step from a cost model: a draft token
 costs compute (more so with a long context, as attention then dominates), and pays off only
 if accepted. How likely that is depends mostly on where the match was found and how long it
-is (on the benchmark texts: a 4-token tail found in the request's own output is followed
-as before ~95% of the time, a 1-token tail found in the prompt almost never), so acceptance
+is (a long tail found in the request's own output is almost always followed as before, a
+1-token tail found in the prompt almost never), so acceptance
 is learned server-wide per (source, tail length): the chance that the first draft token is
 accepted, and that each further one is once the previous ones were. Draft tokens are nearly
 free for a lone request (its step is memory bound) and cost about a fifth of a request's
-step share in a batch of 16, so in a busy batch only likely drafts are made.
+step share in a full batch, so in a busy batch only likely drafts are made.
 """
 
 from __future__ import annotations
@@ -40,12 +40,13 @@ from functools import partial
 from typing import TYPE_CHECKING, Callable
 
 if TYPE_CHECKING:
-    from srt_lite.managers.schedule_batch import Req
+    from srt_lite.req import Req
 
 
-# Cost model of one step on the CPU (measured with benchmarks/bench_forward.py, SmolLM2-135M,
-# bf16, 2 cores), in ms: a decode step of B rows takes about STEP_BASE + STEP_PER_ROW * B; one
-# draft token adds DRAFT_TOKEN + DRAFT_PER_CONTEXT * (its context length).
+# Cost model of one step on the CPU, in ms, fitted with benchmarks/bench_forward.py
+# (docs/benchmarks.md gives the fit): a decode step of B rows takes about
+# STEP_BASE + STEP_PER_ROW * B; one draft token adds DRAFT_TOKEN + DRAFT_PER_CONTEXT * (its
+# context length). Only the ratios matter: they set how likely a draft token must be accepted.
 STEP_BASE, STEP_PER_ROW = 35.0, 1.0
 DRAFT_TOKEN, DRAFT_PER_CONTEXT = 0.5, 0.0007
 # Acceptance estimates: counts decay by this factor per verified draft of their kind.
@@ -184,6 +185,24 @@ class NgramProposer:
             and len(req.output_ids) >= p.min_new_tokens
         )
 
+    def plan(self, reqs: list["Req"], room_kv: int, context_len: int) -> int:
+        """Sets the draft tokens and extend_len of each decoding request of one step; returns
+        the number of draft tokens. `room_kv` is the free KV left after one slot per request:
+        the drafts must fit in it. Free KV counts evictable cache (in a long-running server the
+        tree holds most slots); rejected slots return to the free list at once, so drafting
+        evicts at most about one step's worth of draft tokens."""
+        total = 0
+        for r in reqs:
+            r.draft_ids = []
+            if room_kv - total > 0:
+                left = r.sampling_params.max_new_tokens - len(r.output_ids) - 1
+                # Positions up to context_len - 1 exist; the step's last is seq_len - 1 + d.
+                room = min(left, context_len - r.seq_len, room_kv - total)
+                r.draft_ids = self.propose(r, room, len(reqs))
+                total += len(r.draft_ids)
+            r.extend_len = 1 + len(r.draft_ids)
+        return total
+
     def propose(self, req: "Req", room: int, batch_size: int) -> list[int]:
         """Draft tokens for req's next step in a batch of batch_size decoding requests;
         `room` caps them (tokens left to generate, free KV)."""
@@ -243,6 +262,12 @@ class NgramProposer:
     def observe(self, req: "Req", accepted: int) -> None:
         """After verifying req's draft: `accepted` of its draft tokens matched."""
         self.stats[req.ngram_index.draft_kind].observe(len(req.draft_ids), accepted)
+
+
+def no_drafts(reqs: list["Req"]) -> None:
+    """These decoding requests compute one token each this step."""
+    for r in reqs:
+        r.draft_ids, r.extend_len = [], 1
 
 
 def accept_greedy(draft: list[int], targets: list[int]) -> list[int]:
