@@ -12,7 +12,7 @@ import torch
 from srt_lite.model_config import ModelConfig
 from srt_lite.model_loader import default_model
 from srt_lite.model_loader.default_model import ModelPathError, resolve_model_path
-from srt_lite.utils import resolve_dtype
+from srt_lite.model_executor.dtype import resolve_dtype
 
 
 def test_gguf_converts_once_then_loads_from_cache(tmp_path, monkeypatch):

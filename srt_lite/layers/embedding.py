@@ -42,9 +42,8 @@ class VocabParallelEmbedding(nn.Module):
     def pack_for_cpu(self) -> None:
         """bfloat16 on the CPU: F.linear reorders this large weight into oneDNN's layout on
         every call, so the LM head keeps a copy packed once (vocab x hidden x 2 bytes more;
-        the lookup needs the plain weight). SmolLM2's 49152 x 576 head on the 2-core CPU:
-        1.5 vs 1.6-3.6 ms at 8 rows, 3.8 vs 8-9 ms at 48 (F.linear, or W @ x^T and a
-        transposing copy)."""
+        the lookup needs the plain weight). It beats both F.linear and W @ x^T with a
+        transposing copy, at decode and at verify row counts (docs/benchmarks.md)."""
         self.packed_weight = pack_weight(self.weight.data)
 
     def use_bf16_kernel(self) -> None:

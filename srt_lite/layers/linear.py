@@ -29,11 +29,12 @@ def divide(a: int, b: int) -> int:
 
 # Batch size oneDNN tunes a prepacked weight's layout for (decode batches are small).
 PACK_BATCH_HINT = 16
-# oneDNN builds (JIT) and caches a primitive per input shape: ~20 ms and ~3 MB for each new
-# token count. Mixed batches see a new count almost every step, so counts above
+# oneDNN builds (JIT) and caches a primitive per input shape, which costs time and memory for
+# each new token count. Mixed batches see a new count almost every step, so counts above
 # EXACT_ROWS are padded up to a multiple of ROW_BUCKET: a few dozen shapes, all soon cached.
-# 16, not 32: verify steps often carry 33-48 tokens, and the model's linears at 48 rows take
-# about what they take at 16 (15.8 vs 13.6 ms, weights read once) but 20 ms at 64.
+# 16, not 32: verify steps often carry 33-48 tokens, and while the weights are read once a
+# few dozen rows cost little more than 16, padding them to 64 costs noticeably more
+# (docs/benchmarks.md, "Row buckets").
 EXACT_ROWS = 16
 ROW_BUCKET = 16
 

@@ -22,7 +22,8 @@ from srt_lite.model_executor.forward_batch import ForwardBatch
 from srt_lite.model_loader.weight_utils import count_checkpoint_tensors, iter_checkpoint
 from srt_lite.models.registry import get_model_class
 from srt_lite.server_args import ServerArgs
-from srt_lite.utils import available_memory_bytes, progress, resolve_device, resolve_dtype
+from srt_lite.model_executor.dtype import resolve_dtype
+from srt_lite.utils import available_memory_bytes, progress, resolve_device
 
 logger = logging.getLogger(__name__)
 
