@@ -39,24 +39,10 @@ def make_batch(rows: list[tuple[int, int]], shared: int, dtype: torch.dtype = to
 def describe(backend, fb: ForwardBatch) -> list[tuple[str, list[int] | None, int]]:
     """Each group of the step's plan: (kind, its tokens or None for all, shared prefix)."""
     backend.init_forward_metadata(fb)
-    groups = fb.attn_metadata
-    out = []
-    for g in groups:
-        toks = None if g.tok_idx is None else g.tok_idx.tolist()
-        shared = 0 if g.prefix_index is None else g.prefix_index.numel()
-        if g.token_suffix:
-            cpp = len(groups) == 1 and backend.cpu_kernels and fb.token_to_kv_pool.dtype in tnb.CPP_DTYPES
-            kind = "cpp_cascade" if cpp else "token_cascade"
-        elif g.folded:
-            kind = "cascade" if shared else "folded"
-        elif g.causal:
-            kind = "prefill"
-        elif g.max_q == 1:
-            kind = "decode"
-        else:
-            kind = "extend"
-        out.append((kind, toks, shared))
-    return out
+    return [
+        (g.plan.kind.value, None if g.tokens is None else g.tokens.tolist(), g.plan.shared_prefix_len)
+        for g in fb.attn_metadata.groups
+    ]
 
 
 def _r(a: int, b: int) -> list[int]:
@@ -115,7 +101,7 @@ PINNED = {
 @pytest.mark.parametrize("name", list(PINNED))
 def test_plan_choices_are_pinned(name):
     rows, shared, plain, cpp, cpp_fp16 = PINNED[name]
-    backend = tnb.TorchNativeAttnBackend("cpu", use_cpu_kernels=False)
+    backend = tnb.TorchNativeAttnBackend("cpu", num_heads=4, use_cpu_kernels=False)
     for use_cpp, dtype, want in (
         (False, torch.float32, plain),
         (True, torch.float32, cpp or plain),

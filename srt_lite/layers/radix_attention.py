@@ -55,10 +55,10 @@ def attend(
 
 
 # ---- torch.compile support ---------------------------------------------------------------
-# A compiled model body is traced once for every batch shape, so the attention (whose
-# kernels and index set-up depend on the batch's rows) stays outside the graph as one opaque
-# custom op per layer, as vLLM does: the graph passes q, k, v and the layer id, and the op
-# finds the ForwardBatch of the current step, and the model's layers, here.
+# A compiled model body is traced once for every batch shape, so the attention (whose plan
+# depends on the batch's rows) stays outside the graph as one opaque custom op per layer, as
+# vLLM does: the graph passes q, k, v and the layer id only.
+# The step's ForwardBatch cannot be a graph input, so the registered op finds it here (eager runs never use this).
 _CURRENT: list[tuple["ForwardBatch", dict[int, RadixAttention]]] = []
 
 

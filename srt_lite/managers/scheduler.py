@@ -21,7 +21,6 @@ import zmq
 
 from srt_lite import cpu_caps
 from srt_lite import envs
-from srt_lite.layers.linear import EXACT_ROWS
 from srt_lite.managers import io_struct
 from srt_lite.managers.io_struct import (
     AbortReq,
@@ -85,10 +84,9 @@ class Scheduler:
                 server_args.speculative_ngram_max_match_window_size,
             )
         if not server_args.skip_server_warmup:
-            # Verify steps of one request, over the row counts the CPU linears run unpadded.
-            verify = min(server_args.speculative_num_draft_tokens + 1, EXACT_ROWS) if self.drafter else 1
+            drafts = server_args.speculative_num_draft_tokens if self.drafter else 0
             # A full prefill chunk too: its first use costs ~100 ms more on the CPU.
-            runner.warmup(min(self.max_running, 16), verify, self.chunk_size if 0 < self.chunk_size <= 512 else 512)
+            runner.warmup(min(self.max_running, 16), drafts, self.chunk_size if 0 < self.chunk_size <= 512 else 512)
         self.eos_ids = set(self.model_config.eos_token_ids)
         from transformers import AutoTokenizer
 

@@ -87,6 +87,8 @@ def build_kv_indices(
 
 
 class FlashInferAttnBackend(AttentionBackend):
+    supports_cuda_graph = True
+
     def __init__(self, model_runner: "ModelRunner"):
         import flashinfer  # optional dependency: only the CUDA path needs it
 
