@@ -13,7 +13,7 @@ import torch
 
 from srt_lite.layers.attention import sdpa
 from srt_lite.layers.attention.choose import PlanKind
-from srt_lite.layers.attention.plans import Plan, QueryLayout, _attend_folded
+from srt_lite.layers.attention.plans import Plan, QueryLayout, attend_folded
 
 
 @dataclass(frozen=True, eq=False)
@@ -71,7 +71,7 @@ class CascadePlan(Plan):
         T = q.shape[0]
         H, Hkv, D = layer.num_heads, layer.num_kv_heads, layer.head_dim
         G = H // Hkv
-        o_suf, lse_suf = _attend_folded(q, k_buf, v_buf, self.kv_index, self.bias, self.layout, layer)
+        o_suf, lse_suf = attend_folded(q, k_buf, v_buf, self.kv_index, self.bias, self.layout, layer)
         # Back to token order: [Tg, Hkv, G, D] and [Tg, Hkv, G].
         if self.layout.rows is not None:
             o_suf, lse_suf = self.layout.take(o_suf), self.layout.take(lse_suf)

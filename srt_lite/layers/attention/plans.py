@@ -132,7 +132,7 @@ class FoldedPlan(Plan):
     layout: QueryLayout
 
     def attend(self, q, k_buf, v_buf, layer, out=None):
-        o, _ = _attend_folded(q, k_buf, v_buf, self.kv_index, self.bias, self.layout, layer)  # [B, Lq, Hkv, G, D]
+        o, _ = attend_folded(q, k_buf, v_buf, self.kv_index, self.bias, self.layout, layer)  # [B, Lq, Hkv, G, D]
         return _write(self.layout.take(o), out, q.shape[0])
 
 
@@ -158,7 +158,7 @@ def _attend_padded(
     ).transpose(1, 2)
 
 
-def _attend_folded(
+def attend_folded(
     q: torch.Tensor, k_buf: torch.Tensor, v_buf: torch.Tensor, kv_index: torch.Tensor, bias: torch.Tensor,
     layout: QueryLayout, layer: "RadixAttention",
 ) -> tuple[torch.Tensor, torch.Tensor]:

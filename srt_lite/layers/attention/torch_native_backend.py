@@ -9,6 +9,7 @@ C++ op (csrc/cpu_attention.cpp) when it is built.
 
 from __future__ import annotations
 
+import contextlib
 from typing import TYPE_CHECKING
 
 import torch
@@ -50,7 +51,7 @@ class TorchNativeAttnBackend(AttentionBackend):
         )
         fb.attn_metadata = build_step(fb, choices, slots, self.num_heads // num_kv_heads)
 
-    def compiled_step(self, fb: "ForwardBatch", layers: dict):
+    def compiled_step(self, fb: "ForwardBatch", layers: dict) -> contextlib.AbstractContextManager:
         step: StepPlan = fb.attn_metadata
         return step.compiled_step(fb, layers)
 
