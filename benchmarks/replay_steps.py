@@ -64,7 +64,7 @@ def build_runner(steps: list, model_path: str | None, compile_: bool) -> tuple[M
     )
     runner = ModelRunner(ModelConfig.load(sargs.model_path, sargs.context_length), sargs)
     if compile_:
-        runner.warmup(max_rows, num_draft_tokens=4)  # before the rows take the cache: it needs scratch KV
+        runner.warmup(max_rows, num_draft_tokens=4, prefill_chunk=0)  # before the rows take the cache: it needs scratch KV
     pool, r2t = runner.token_to_kv_pool, runner.req_to_token_pool.req_to_token
     rows = [runner.req_to_token_pool.alloc() for _ in range(max_rows)]
     common = pool.alloc(shared).to(torch.int32)

@@ -15,6 +15,8 @@ import torch
 from model_harness import Harness, fragment_free_list
 from srt_lite import cpu_caps
 from srt_lite.layers import cpu_kernels
+from srt_lite.layers.attention.choose import PlanKind, cpp_cascade_ok
+from srt_lite.layers.attention.steps import CppCascadePlan
 from srt_lite.layers.linear import PATH_PACKED, PackableLinear, packed_linear
 from srt_lite.model_config import ModelConfig
 from srt_lite.model_executor.model_runner import ModelRunner
@@ -196,8 +198,12 @@ def test_token_cascade_choice_with_and_without_the_cpp_op(tmp_path, own, new_tok
         backend.cpu_kernels = cpp
         seen.clear()
         logits[cpp] = hr.extend(rows, [80 + n for n in own], new, all_logits=True).all_logits
-        (group,) = seen[0]
-        assert group.prefix_index is not None and group.token_suffix == (token_with_cpp if cpp else not token_with_cpp)
+        (group,) = seen[0].groups
+        if cpp:
+            want = PlanKind.CPP_CASCADE if token_with_cpp else PlanKind.CASCADE
+        else:
+            want = PlanKind.CASCADE if token_with_cpp else PlanKind.TOKEN_CASCADE
+        assert group.plan.shared_prefix_len == 80 and group.plan.kind is want
     assert torch.allclose(logits[False], logits[True], atol=1e-5)
 
 
@@ -205,18 +211,16 @@ def test_compiled_graph_runs_a_token_cascade_step_in_cpp_and_other_steps_in_pyth
     """--enable-torch-compile: a step that is one token cascade runs its attention inside the
     graph's C++ op (no Python call per layer); the steps around it (prefill, plain decode) go
     through the Python op. Logits agree with the eager runner's."""
-    from srt_lite.layers.attention import torch_native_backend as tnb
-
     python_calls = []
-    original = tnb._token_cascade_cpp
-    monkeypatch.setattr(tnb, "_token_cascade_cpp", lambda *a: python_calls.append(1) or original(*a))
+    original = CppCascadePlan.run
+    monkeypatch.setattr(CppCascadePlan, "run", lambda *a: python_calls.append(1) or original(*a))
     path = make_tiny_model("llama", tmp_path / "llama")
 
     def run(compile_: bool) -> list[torch.Tensor]:
         args = ServerArgs(dtype="bfloat16", max_total_tokens=4096, enable_torch_compile=compile_)
         runner = ModelRunner(ModelConfig.load(path), args)
         if compile_:
-            runner.warmup(max_batch=2, num_draft_tokens=2)
+            runner.warmup(max_decode_batch=2, num_draft_tokens=2, prefill_chunk=0)
         g = torch.Generator().manual_seed(8)
         prefix = torch.randint(3, 320, (80,), generator=g).tolist()
         h = Harness(runner)
@@ -239,14 +243,10 @@ def test_compiled_graph_runs_a_token_cascade_step_in_cpp_and_other_steps_in_pyth
 
 def test_cascade_op_only_for_the_dtypes_and_head_sizes_it_computes():
     """Other models keep the torch-ops cascade instead of failing the C++ op's checks."""
-    from types import SimpleNamespace
-
-    from srt_lite.layers.attention.torch_native_backend import _cpp_cascade_ok
-
-    layer = lambda d: SimpleNamespace(head_dim=d)  # noqa: E731
-    assert _cpp_cascade_ok(layer(64), torch.bfloat16) and _cpp_cascade_ok(layer(128), torch.float32)
-    assert not _cpp_cascade_ok(layer(64), torch.float16)
-    assert not _cpp_cascade_ok(layer(72), torch.bfloat16) and not _cpp_cascade_ok(layer(512), torch.bfloat16)
+    assert cpp_cascade_ok(True, torch.bfloat16, 64) and cpp_cascade_ok(True, torch.float32, 128)
+    assert not cpp_cascade_ok(True, torch.float16, 64)
+    assert not cpp_cascade_ok(True, torch.bfloat16, 72) and not cpp_cascade_ok(True, torch.bfloat16, 512)
+    assert not cpp_cascade_ok(False, torch.bfloat16, 64)  # not built (or turned off)
 
 
 def test_compiled_graphs_are_cached_per_build_of_the_ops(monkeypatch, tmp_path):

@@ -23,6 +23,7 @@ import srt_lite.layers.attention as attention
 from gpu_check_models import GPU_CASES, make_gpu_tiny_model
 from model_harness import Harness
 from srt_lite.layers.attention import choose_attention_backend, create_attention_backend, flashinfer_available
+from srt_lite.layers.attention import sdpa as sdpa_ops
 from srt_lite.layers.attention import torch_native_backend as tnb
 from srt_lite.layers.attention.flashinfer_backend import (
     QWEN_WORKSPACE_BYTES,
@@ -94,7 +95,7 @@ def test_create_attention_backend_checks_the_runners_dtype_first(monkeypatch):
     """fp32 on CUDA: auto builds torch_native; flashinfer raises before building anything
     (no CUDA needed: neither path touches the device here)."""
     monkeypatch.setattr(attention, "flashinfer_available", lambda: True)
-    runner = types.SimpleNamespace(dtype=torch.float32)
+    runner = types.SimpleNamespace(dtype=torch.float32, model_config=types.SimpleNamespace(num_heads=4), tp_size=1)
     backend = create_attention_backend("auto", "cuda", model_runner=runner)
     assert isinstance(backend, tnb.TorchNativeAttnBackend) and not backend.cpu_kernels
     with pytest.raises(ValueError, match="float32"):
@@ -127,14 +128,14 @@ def test_sdpa_with_lse_generic_branch_matches_the_cpu_op(dtype, masked):
         keep[..., 0] = True
         mask = torch.zeros(B, 1, Lq, Lk, dtype=dtype).masked_fill_(~keep, float("-inf"))
     want_o, want_lse = torch.ops.aten._scaled_dot_product_flash_attention_for_cpu(q, k, v, attn_mask=mask, scale=0.2)
-    o, lse = tnb._sdpa_with_lse_math(q, k, v, mask, 0.2)
+    o, lse = sdpa_ops.sdpa_with_lse_math(q, k, v, mask, 0.2)
     assert o.dtype == want_o.dtype == dtype and o.shape == want_o.shape
     assert lse.dtype == want_lse.dtype == torch.float32 and lse.shape == want_lse.shape
     tol = 1e-4 if dtype == torch.float32 else 2e-2  # bf16: the CPU op rounds its partial sums
     assert (o.float() - want_o.float()).abs().max().item() < tol
     assert (lse - want_lse).abs().max().item() < tol
     # The CPU dispatch is the op itself, untouched.
-    o_cpu, lse_cpu = tnb.sdpa_with_lse(q, k, v, attn_mask=mask, scale=0.2)
+    o_cpu, lse_cpu = sdpa_ops.sdpa_with_lse(q, k, v, attn_mask=mask, scale=0.2)
     assert torch.equal(o_cpu, want_o) and torch.equal(lse_cpu, want_lse)
 
 
@@ -150,17 +151,17 @@ def test_torch_native_steps_through_the_generic_branch_match_the_cpu_op(tmp_path
     path = make_tiny_model("llama", tmp_path / "llama")
     runners = [ModelRunner(ModelConfig.load(path), ServerArgs(dtype="float32", max_total_tokens=4096)) for _ in range(2)]
     for r in runners:
-        r.attn_backend = tnb.TorchNativeAttnBackend("cpu", use_cpu_kernels=False)
+        r.attn_backend = tnb.TorchNativeAttnBackend("cpu", num_heads=r.attn_backend.num_heads, use_cpu_kernels=False)
     generic, callers = [False], set()
-    original = tnb.sdpa_with_lse
+    original = sdpa_ops.sdpa_with_lse
 
     def sdpa(q, k, v, attn_mask=None, scale=None):
         if not generic[0]:
             return original(q, k, v, attn_mask=attn_mask, scale=scale)
         callers.add(inspect.stack()[1].function)
-        return tnb._sdpa_with_lse_math(q, k, v, attn_mask, scale)
+        return sdpa_ops.sdpa_with_lse_math(q, k, v, attn_mask, scale)
 
-    monkeypatch.setattr(tnb, "sdpa_with_lse", sdpa)
+    monkeypatch.setattr(sdpa_ops, "sdpa_with_lse", sdpa)
     hs = [Harness(r) for r in runners]
     g = torch.Generator().manual_seed(5)
     prompts = [torch.randint(3, 320, (n,), generator=g).tolist() for n in (100, 9, 23)]
@@ -182,7 +183,7 @@ def test_torch_native_steps_through_the_generic_branch_match_the_cpu_op(tmp_path
     both(lambda h: h.extend(h.rows_sharing_prefix(3, 80), [80] * 3, tails).all_logits)
     decode_tails = [[int(t)] for t in torch.randint(3, 320, (6,), generator=g)]
     both(lambda h: h.extend(h.rows_sharing_prefix(6, 80), [80] * 6, decode_tails).all_logits)
-    assert callers == {"_attend_folded", "_attend_token_cascade", "_attend_prefix"}
+    assert callers == {"attend_folded", "_attend_token_suffixes", "_attend_prefix"}
 
 
 # ---- FlashInfer's wrappers, on the CPU ----------------------------------------------------

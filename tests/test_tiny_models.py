@@ -8,7 +8,7 @@ import torch
 from transformers import AutoModelForCausalLM, LlamaConfig, Qwen2Config, Qwen3Config
 
 from model_harness import Harness, fragment_free_list
-from srt_lite.layers.linear import PATH_BF16_KERNEL, PATH_PACKED, PATH_TORCH, PackableLinear, cpu_linear_path
+from srt_lite.layers.linear import EXACT_ROWS, PATH_BF16_KERNEL, PATH_PACKED, PATH_TORCH, PackableLinear, cpu_linear_path
 from srt_lite.model_config import ModelConfig
 from srt_lite.model_executor.model_runner import ModelRunner
 from srt_lite.server_args import ServerArgs
@@ -107,12 +107,20 @@ def test_warmup_runs_prefill_decode_verify_and_a_full_chunk_then_frees_its_kv(tm
     forward = runner.forward
     monkeypatch.setattr(runner, "forward", lambda fb: shapes.append(fb.extend_seq_lens_cpu) or forward(fb))
     free, rows = runner.token_to_kv_pool.available_size(), runner.req_to_token_pool.available_size()
-    runner.warmup(max_batch=4, num_draft_tokens=2, prefill_tokens=200)
+    runner.warmup(max_decode_batch=4, num_draft_tokens=2, prefill_chunk=200)
     assert shapes == [[8] * 4, [1], [1] * 2, [1] * 4, [2], [3], [200]]
     assert runner.token_to_kv_pool.available_size() == free and runner.req_to_token_pool.available_size() == rows
     shapes.clear()
-    runner.warmup(max_batch=4, num_draft_tokens=2, prefill_tokens=1500)  # longer than the context: skipped
+    runner.warmup(max_decode_batch=4, num_draft_tokens=2, prefill_chunk=1500)  # longer than the context: skipped
     assert shapes == [[8] * 4, [1], [1] * 2, [1] * 4, [2], [3]]
+    # Verify rows stop at the row counts the CPU linears run unpadded; none without drafts.
+    shapes.clear()
+    runner.warmup(max_decode_batch=1, num_draft_tokens=40, prefill_chunk=0)
+    assert shapes == [[8], [1]] + [[n] for n in range(2, EXACT_ROWS + 1)]
+    shapes.clear()
+    runner.warmup(max_decode_batch=2, num_draft_tokens=0, prefill_chunk=0)
+    assert shapes == [[8] * 2, [1], [1] * 2]
+    assert runner.token_to_kv_pool.available_size() == free and runner.req_to_token_pool.available_size() == rows
 
 
 @pytest.mark.cpu_caps
@@ -175,23 +183,31 @@ def test_cascade_decode_over_shared_prefix_matches_transformers(tmp_path, monkey
     one masked sequence (in the C++ op, or with torch ops), or (when that would cost more)
     row by row, padded."""
     from srt_lite.layers import cpu_kernels
-    from srt_lite.layers.attention import torch_native_backend as tnb
+    from srt_lite.layers.attention import cascade, choose, plans
+    from srt_lite.layers.attention.steps import CppCascadePlan
 
     assert cpu_kernels.load()  # built here: CI's machine has the compiler inductor uses
     if not token_suffix:
-        monkeypatch.setattr(tnb, "TOKEN_SUFFIX_GAIN", 0)
+        monkeypatch.setattr(choose, "TOKEN_SUFFIX_GAIN", 0)
     calls, starts = [], []
-    original = tnb.TorchNativeAttnBackend._attend_folded
-    monkeypatch.setattr(
-        tnb.TorchNativeAttnBackend, "_attend_folded",
-        staticmethod(lambda *a: calls.append((a[0].shape[0], a[3].token_suffix)) or original(*a)),
-    )
-    original_cpp = tnb._token_cascade_cpp
-    monkeypatch.setattr(
-        tnb, "_token_cascade_cpp", lambda q, k, v, g, *a: calls.append((q.shape[0], "cpp")) or original_cpp(q, k, v, g, *a)
-    )
-    original_prefix = tnb._prefix
-    monkeypatch.setattr(tnb, "_prefix", lambda index: starts.append(original_prefix(index)["prefix_start"]) or original_prefix(index))
+    # Each layer's call of a folded plan or the C++ op: (queries, True for a token cascade,
+    # False for a padded cascade, "cpp" for the C++ op, "folded" without a shared prefix).
+    recorded = {
+        cascade.TokenCascadePlan: True, cascade.CascadePlan: False, CppCascadePlan: "cpp", plans.FoldedPlan: "folded",
+    }
+    for cls, tag in recorded.items():
+        name = "run" if cls is CppCascadePlan else "attend"
+        original = getattr(cls, name)
+        record = lambda self, q, *a, _tag=tag, _f=original: calls.append((q.shape[0], _tag)) or _f(self, q, *a)  # noqa: E731
+        monkeypatch.setattr(cls, name, record)
+    original_prefix = cascade.SharedPrefix.of
+
+    def prefix_of(index):
+        prefix = original_prefix(index)
+        starts.append(prefix.start)
+        return prefix
+
+    monkeypatch.setattr(cascade.SharedPrefix, "of", staticmethod(prefix_of))
     path = make_tiny_model("llama", tmp_path / "llama")
     hf = AutoModelForCausalLM.from_pretrained(path, dtype=torch.float32).eval()
     runner = ModelRunner(ModelConfig.load(path), ServerArgs(dtype="float32", max_total_tokens=2048))
@@ -244,7 +260,7 @@ def test_torch_compile_matches_eager(kind, dtype, tmp_path):
         assert compiled.linear_path == PATH_BF16_KERNEL
         assert all(m.bf16_kernel for m in compiled.model.modules() if isinstance(m, PackableLinear))
     graphs_before = counters["stats"]["unique_graphs"]
-    compiled.warmup(max_batch=2, num_draft_tokens=2)
+    compiled.warmup(max_decode_batch=2, num_draft_tokens=2, prefill_chunk=0)
     assert counters["stats"]["unique_graphs"] - graphs_before == 2  # many tokens, one token
     graphs_before = counters["stats"]["unique_graphs"]
     g = torch.Generator().manual_seed(3)

@@ -1,14 +1,15 @@
 // CPU attention for the torch_native backend's hottest path, one call per layer and step.
 //
-// A decode or verify step over a shared prefix (W3: eight requests on one 800-token prompt)
-// runs cascade attention in every layer: store the new tokens' K/V, one flash-attention call
-// for the shared prefix (all queries as one sequence), each row's own suffix attended
-// exactly, and a log-sum-exp merge. Written with torch's Python ops
-// (TorchNativeAttnBackend._attend_token_cascade, which attends the suffixes as one masked
-// sequence) that is ~40 calls a layer whose dispatch costs more than their work for a few
-// dozen tokens; here it is one call. The K/V row copies (a few KB) are plain loops instead of
-// index_copy_ / index_select, whose set-up dominates at this size. The suffix loops use
-// ATen's at::vec, built for AVX-512 where the CPU has it (cpu_kernels.py picks the flags).
+// A decode or verify step whose rows share a long prefix (many requests on one common
+// prompt) runs cascade attention in every layer: store the new tokens' K/V, one
+// flash-attention call for the shared prefix (all queries as one sequence), each row's own
+// suffix attended exactly, and a log-sum-exp merge. Written with torch's Python ops
+// (layers/attention/cascade.py, TokenCascadePlan, which attends the suffixes as one masked
+// sequence) that is dozens of calls a layer whose dispatch costs more than their work when
+// a step has few tokens; here it is one call (CppCascadePlan in layers/attention/steps.py).
+// The K/V row copies are small, so they are plain loops instead of index_copy_ /
+// index_select, whose set-up would dominate. The suffix loops use ATen's at::vec, built for
+// AVX-512 where the CPU has it (cpu_kernels.py picks the flags).
 // Built on first use by srt_lite/layers/cpu_kernels.py.
 #include <ATen/ATen.h>
 #include <ATen/Parallel.h>
@@ -108,8 +109,8 @@ inline void to_float(float* dst, const c10::BFloat16* src, int64_t n, float mul)
 
 // The suffix part of a token cascade and its merge with the prefix part, for one row and
 // KV head. Each query attends to its own row's suffix keys up to its position, computed
-// here exactly (no padding, no mask: a masked flash call over all rows' suffixes did ~B times
-// the work), and is merged with its prefix output o_pre / lse_pre by log-sum-exp.
+// here exactly (no padding, no mask: a masked flash call over all rows' suffixes computes B
+// times the pairs), and is merged with its prefix output o_pre / lse_pre by log-sum-exp.
 // Scratch: kt [kp / W, D, W] (the keys in blocks of W = the vector width, each block
 // transposed so one vector op scores W keys; kp = k rounded up to W), vf [k, D], s [kp].
 // T: the q / KV / out dtype. Loops keep four independent accumulators, since one FMA chain
@@ -277,7 +278,7 @@ int64_t register_packed_weight(const at::Tensor& weight) {
 
 // x [n, in] -> [n, out] through the packed weight `key`: the product torch.compile's graph
 // calls in every linear layer (4 per decoder layer). From the graph's C++ wrapper this is a
-// dispatcher call with no Python (a Python custom op cost ~25 us a call).
+// dispatcher call with no Python, whose per-call cost would add up over every linear.
 at::Tensor packed_linear(const at::Tensor& x, const std::optional<at::Tensor>& bias, int64_t key) {
   c10::intrusive_ptr<c10::TensorImpl> impl;
   {
@@ -297,6 +298,7 @@ at::Tensor packed_linear(const at::Tensor& x, const std::optional<at::Tensor>& b
 // The compiled graph's attention (`srt_lite_cpu::attention`): a step whose attention is one
 // token cascade (set_cascade_step, before the forward) runs in C++ without any Python; every
 // other step goes to the Python op `srt_lite::attention` through the dispatcher.
+// The graph's op gets only (q, k, v, layer id), so the step's metadata waits here, set once per step.
 struct CascadeStep {
   at::Tensor loc, suffix_index, q_off, k_off, prefix_index;
   int64_t prefix_start = -1, prefix_len = 0, num_heads = 0;

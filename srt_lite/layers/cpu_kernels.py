@@ -1,7 +1,7 @@
 """The C++ CPU ops (srt_lite/csrc/*.cpp), built on first use.
 
 torch.utils.cpp_extension compiles them with the machine's C++ compiler (the one inductor's
-C++ wrapper uses) into the srt_lite cache, once per machine and torch version (~10-40 s),
+C++ wrapper uses) into the srt_lite cache, once per machine and torch version,
 and registers `torch.ops.srt_lite_cpu.*`: the attention backend's cascade step, the
 compiled graph's packed linear, and the bf16-weight linear for CPUs without fast oneDNN bf16.
 Without a compiler, or with SRT_LITE_DISABLE_CPU_KERNELS=1, `load()` returns False and the

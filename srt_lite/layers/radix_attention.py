@@ -54,11 +54,8 @@ def attend(
     return F.pad(out, (0, 0, 0, q.shape[0] - T))
 
 
-# ---- torch.compile support ---------------------------------------------------------------
-# A compiled model body is traced once for every batch shape, so the attention (whose
-# kernels and index set-up depend on the batch's rows) stays outside the graph as one opaque
-# custom op per layer, as vLLM does: the graph passes q, k, v and the layer id, and the op
-# finds the ForwardBatch of the current step, and the model's layers, here.
+# ---- torch.compile support: attention is one opaque custom op per layer, as in vLLM --------
+# The graph passes only (q, k, v, layer id): a ForwardBatch cannot be a graph input, so the op finds the step's here.
 _CURRENT: list[tuple["ForwardBatch", dict[int, RadixAttention]]] = []
 
 

@@ -12,8 +12,14 @@ from srt_lite import cpu_caps
 from srt_lite.distributed import get_tp_rank, get_tp_size
 from srt_lite.layers import cpu_kernels
 from srt_lite.layers.attention import create_attention_backend
-from srt_lite.layers.attention.flashinfer_backend import FlashInferAttnBackend
-from srt_lite.layers.linear import EXACT_ROWS, PATH_PACKED, PATH_TORCH, bucketed_rows, cpu_linear_path, prepare_linears_for_cpu
+from srt_lite.layers.linear import (
+    EXACT_ROWS,
+    PATH_PACKED,
+    PATH_TORCH,
+    bucketed_rows,
+    cpu_linear_path,
+    prepare_linears_for_cpu,
+)
 from srt_lite.layers.logits_processor import LogitsProcessorOutput
 from srt_lite.layers.radix_attention import RadixAttention, compiled_forward_batch
 from srt_lite.mem_cache.memory_pool import ReqToTokenPool, TokenToKVPool
@@ -49,7 +55,7 @@ class ModelRunner:
         if server_args.enable_torch_compile:
             self.init_torch_compile()
         self.cuda_graph_runner = None
-        if isinstance(self.attn_backend, FlashInferAttnBackend) and not server_args.disable_cuda_graph:
+        if self.attn_backend.supports_cuda_graph and not server_args.disable_cuda_graph:
             from srt_lite.model_executor.cuda_graph_runner import CudaGraphRunner
 
             max_bs = min(server_args.cuda_graph_max_bs or 160, server_args.max_running_requests)
@@ -95,12 +101,12 @@ class ModelRunner:
         The LM head and logits selection stay eager: they depend on the batch's rows.
 
         Inductor's C++ wrapper (`cpp_wrapper`) calls the graph's kernels and custom ops from
-        generated C++ instead of Python: a CPU step runs ~150 small calls, and W3's recorded
-        steps ran 2.5-4% faster with it (interleaved in one process). Its cost is a C++
-        compile of each graph on a cold inductor cache. With the C++ CPU ops built
-        (layers/cpu_kernels.py) the graph's attention and matmuls are C++ ops too."""
+        generated C++ instead of Python: a CPU step runs many small calls, whose Python
+        dispatch it saves. Its cost is a C++ compile of each graph on a cold inductor cache.
+        With the C++ CPU ops built (layers/cpu_kernels.py) the graph's attention and matmuls
+        are C++ ops too."""
         self.attn_layers = {m.layer_id: m for m in self.model.modules() if isinstance(m, RadixAttention)}
-        if getattr(self.attn_backend, "cpu_kernels", False):
+        if self.attn_backend.has_cpp_graph_op:
             cpu_kernels.use_private_inductor_cache()
             for layer in self.attn_layers.values():
                 layer.use_cpp_graph_op()
@@ -158,8 +164,8 @@ class ModelRunner:
         rows = bucketed_rows(T) if self.pad_rows else T
         if rows != T:
             # The token axis padded once to the packed linears' row bucket, not in each of
-            # the 4 linears of every layer (~2 ms a step). The model drops the extra rows
-            # before the LM head, and attention gives them no KV and a zero output.
+            # the 4 linears of every layer. The model drops the extra rows before the LM
+            # head, and attention gives them no KV and a zero output.
             input_ids = F.pad(input_ids, (0, rows - T))  # [rows]
             positions = F.pad(positions, (0, rows - T))
         if self.compiled_body is None:
@@ -173,15 +179,17 @@ class ModelRunner:
     # and torch.compile guards on that (an inference tensor input would compile the graphs
     # again for the first real batches).
     @torch.no_grad()
-    def warmup(self, max_batch: int, num_draft_tokens: int = 0, prefill_tokens: int = 0) -> None:
-        """Dummy forwards before serving: a prefill, then decode steps at batch sizes up to
-        `max_batch`, (speculative decoding) one request verifying 2..max_verify tokens (as
-        far as the CPU linears run those row counts unpadded), and
-        one prompt of `prefill_tokens` (a full prefill chunk: its first use cost ~100 ms more
-        on the CPU), so the first requests do not pay for kernel set-up (oneDNN creates a
-        primitive per new shape) and allocator growth. Uses scratch KV that it frees."""
+    def warmup(self, max_decode_batch: int, num_draft_tokens: int, prefill_chunk: int) -> None:
+        """Dummy forwards before serving, so the first requests do not pay for kernel set-up
+        (oneDNN creates a primitive per new shape) and allocator growth: a prefill, decode
+        steps at batch sizes up to `max_decode_batch`, with speculative decoding
+        (`num_draft_tokens` > 0) one request verifying 2..n tokens, and one prompt of
+        `prefill_chunk` tokens (the first use of a full chunk's shape costs more on the CPU;
+        0: none). n is the draft plus the model's own token, at most the row counts the CPU
+        linears run unpadded (EXACT_ROWS), each a shape of its own. Uses scratch KV that it
+        frees."""
         max_verify = min(num_draft_tokens + 1, EXACT_ROWS) if num_draft_tokens else 1
-        sizes = [b for b in (1, 2, 4, 8, 16, 32) if b <= max_batch] or [1]
+        sizes = [b for b in (1, 2, 4, 8, 16, 32) if b <= max_decode_batch] or [1]
         prompt = 8
         width = prompt + max(max_verify, 1)  # KV slots per scratch request
         need = sizes[-1] * width
@@ -189,8 +197,8 @@ class ModelRunner:
             return  # a tiny test cache: nothing worth warming
         r2t = self.req_to_token_pool.req_to_token
         # A long prompt (last) runs over all the scratch slots if the cache and context allow.
-        fits = prefill_tokens <= min(self.max_total_num_tokens // 2, r2t.shape[1])
-        long_prompt = prefill_tokens if prompt < prefill_tokens and fits else 0
+        fits = prefill_chunk <= min(self.max_total_num_tokens // 2, r2t.shape[1])
+        long_prompt = prefill_chunk if prompt < prefill_chunk and fits else 0
         rows = [self.req_to_token_pool.alloc() for _ in range(sizes[-1])]
         slots = self.token_to_kv_pool.alloc(max(need, long_prompt))
         for i, row in enumerate(rows):

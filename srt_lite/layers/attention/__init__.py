@@ -57,13 +57,15 @@ def choose_attention_backend(name: str, device: str, dtype: torch.dtype | None) 
     raise ValueError(f"unknown attention backend {name!r}")
 
 
-def create_attention_backend(name: str, device: str, model_runner=None) -> AttentionBackend:
-    """The backend chosen by choose_attention_backend for the runner's dtype."""
+def create_attention_backend(name: str, device: str, model_runner) -> AttentionBackend:
+    """The backend chosen by choose_attention_backend for the runner's dtype, sized for its
+    model (a ModelRunner: dtype, model_config, tp_size)."""
     name = choose_attention_backend(name, device, getattr(model_runner, "dtype", None))
     if name == "torch_native":
         from srt_lite.layers.attention.torch_native_backend import TorchNativeAttnBackend
 
-        return TorchNativeAttnBackend(device=device)
+        num_heads = model_runner.model_config.num_heads // model_runner.tp_size  # query heads per rank
+        return TorchNativeAttnBackend(device=device, num_heads=num_heads)
     from srt_lite.layers.attention.flashinfer_backend import FlashInferAttnBackend
 
     return FlashInferAttnBackend(model_runner)

@@ -47,7 +47,7 @@ _QWEN_ARCHITECTURES = ("Qwen2ForCausalLM", "Qwen3ForCausalLM")
 
 # Both wrappers are pinned to FlashInfer's FA2 kernels, as SGLang pins them
 # (prefill_backend = decode_backend = "fa2" in its flashinfer_backend.py). With "auto",
-# FlashInfer picks per GPU and per call: FA3 for prefill on Hopper (the H200), and it may
+# FlashInfer picks per GPU and per call: FA3 for prefill on Hopper GPUs, and it may
 # route decode to cuDNN. That would run a kernel family SGLang does not serve with, need a
 # further (and much longer) JIT build or package, and fix the choice at the first plan.
 FLASHINFER_KERNELS = "fa2"
@@ -87,6 +87,8 @@ def build_kv_indices(
 
 
 class FlashInferAttnBackend(AttentionBackend):
+    supports_cuda_graph = True
+
     def __init__(self, model_runner: "ModelRunner"):
         import flashinfer  # optional dependency: only the CUDA path needs it
 

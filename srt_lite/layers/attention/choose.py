@@ -1,0 +1,136 @@
+"""Which attention plan each group of a step's rows gets: the cost rule, on host lists only.
+
+A step's rows are split into groups, each attended by one plan (layers/attention/plans.py):
+decode rows (one new token), verify rows (a few new tokens after a prefix: speculative
+decoding) and extend rows (a prompt or a chunk of one) go to separate groups, so short rows
+are never padded to a prompt chunk's length. Short rows that share a long prefix of KV
+slots (a radix-cache hit) form one cascade group whatever their kind: the prefix is then
+read once per layer for all of them instead of once per row.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+from enum import Enum
+from typing import Callable
+
+import torch
+
+# Shortest shared prefix worth the cascade's extra kernels.
+CASCADE_MIN_PREFIX = 64
+# Rows with at most this many new tokens (and a prefix) are verify rows, attended folded.
+VERIFY_MAX_Q = 16
+# Rows with at most this many new tokens over a shared prefix join a cascade group.
+CASCADE_MAX_Q = 32
+# A cascade's suffixes are attended as one masked sequence when that has at most this many
+# times the query-key pairs of padding each row's queries to the longest row: the CPU flash
+# kernel computes many more pairs a second in one large call than in several small padded
+# ones. With the C++ op, whose suffix loop computes only each row's own pairs, when those
+# are this many times fewer than the padded ones.
+TOKEN_SUFFIX_GAIN = 4
+# ...or, with the C++ op, when its exact suffix pairs are at most this many, whatever padding
+# would cost: below it the padded path's Python op calls cost more than the C++ loop; above
+# it the padded flash call is faster.
+TOKEN_SUFFIX_SMALL = 8192
+# Dtypes the C++ cascade op computes in (q, KV pool and output alike).
+CPP_DTYPES = (torch.bfloat16, torch.float32)
+
+
+class PlanKind(Enum):
+    DECODE = "decode"  # one new token per row, no shared prefix
+    PREFILL = "prefill"  # one fresh prompt: plain causal attention
+    EXTEND = "extend"  # rows of more than VERIFY_MAX_Q new tokens, no shared prefix
+    FOLDED = "folded"  # up to VERIFY_MAX_Q new tokens per row, no shared prefix
+    CASCADE = "cascade"  # folded rows over a shared prefix, suffixes padded row by row
+    TOKEN_CASCADE = "token_cascade"  # a cascade whose suffixes are one masked sequence
+    CPP_CASCADE = "cpp_cascade"  # the token cascade in one C++ op per layer
+
+
+@dataclass(frozen=True)
+class GroupChoice:
+    rows: list[int]  # batch rows, ascending
+    kind: PlanKind
+    shared: int  # prefix slots every row shares, attended once (cascade kinds), else 0
+
+
+def cpp_cascade_ok(kernels_loaded: bool, dtype: torch.dtype, head_dim: int) -> bool:
+    """Whether the C++ cascade op can run this step: built, in a dtype it computes, and a
+    head size its vector loops take (a multiple of the widest vector, 16 floats, up to 256)."""
+    return kernels_loaded and dtype in CPP_DTYPES and head_dim % 16 == 0 and head_dim <= 256
+
+
+def may_share_prefix(ext: list[int]) -> bool:
+    """Whether rows with these new-token counts could form a cascade (the caller then looks
+    up how many KV slots they share)."""
+    return len(ext) > 1 and max(ext) <= CASCADE_MAX_Q
+
+
+def choose_group(
+    ext: list[int], prefix: list[int], shared: int, cpp: bool, cascade_only: bool = False
+) -> tuple[PlanKind, int] | None:
+    """The plan kind and cascade prefix length for one group of rows: new tokens `ext`,
+    prefix lengths `prefix`, `shared` KV slots common to all rows at their start (0 when
+    not looked up). cpp: a token cascade would run in the C++ op. cascade_only: None unless
+    a cascade pays off (its rows are of several kinds, which would otherwise go apart)."""
+    B, max_q = len(ext), max(ext)
+    seq_lens = [p + e for p, e in zip(prefix, ext)]
+    padded = B * max_q * (max(seq_lens) - shared)  # suffix pairs, each row's queries padded
+    exact = sum(e * (k - shared) for e, k in zip(ext, seq_lens))  # each row's own suffix pairs
+    if cpp:
+        token = exact <= TOKEN_SUFFIX_SMALL or TOKEN_SUFFIX_GAIN * exact <= padded
+    else:  # the suffixes as one masked sequence
+        token = sum(ext) * (sum(seq_lens) - B * shared) <= TOKEN_SUFFIX_GAIN * padded
+    if shared >= CASCADE_MIN_PREFIX and token:
+        return (PlanKind.CPP_CASCADE if cpp else PlanKind.TOKEN_CASCADE), shared
+    if cascade_only:
+        # Suffix queries are padded to the longest row; the prefix part is not padded.
+        useful = exact + shared * sum(ext)
+        if shared < CASCADE_MIN_PREFIX or padded > useful:
+            return None
+    if shared < CASCADE_MIN_PREFIX:
+        shared = 0
+    if max_q == 1:
+        return (PlanKind.CASCADE, shared) if shared else (PlanKind.DECODE, 0)
+    if B == 1 and prefix[0] == 0:
+        return PlanKind.PREFILL, 0
+    if shared:
+        return PlanKind.CASCADE, shared
+    return (PlanKind.EXTEND if max_q > VERIFY_MAX_Q else PlanKind.FOLDED), 0
+
+
+def _row_kind(ext: int, prefix: int) -> int:
+    """0 decode, 1 verify, 2 extend: the order of the step's groups."""
+    if ext == 1:
+        return 0
+    return 1 if ext <= VERIFY_MAX_Q and prefix > 0 else 2
+
+
+def choose_plan(
+    ext: list[int], prefix: list[int], shared_prefix: Callable[[list[int]], int], cpp: bool
+) -> list[GroupChoice]:
+    """The step's groups and the plan of each, for rows with `ext` new tokens after `prefix`
+    tokens of KV. shared_prefix(rows): how many KV slots those rows (ascending, at least
+    two) have in common at their start, at most their shortest prefix. cpp: the C++ op can
+    run (cpp_cascade_ok); it is used for a token cascade that is the step's only group."""
+    B = len(ext)
+
+    def choose(rows: list[int], cpp_: bool, cascade_only: bool = False) -> GroupChoice | None:
+        e, p = [ext[b] for b in rows], [prefix[b] for b in rows]
+        shared = shared_prefix(rows) if may_share_prefix(e) else 0
+        picked = choose_group(e, p, shared, cpp_, cascade_only)
+        return None if picked is None else GroupChoice(rows, *picked)
+
+    groups: list[GroupChoice] = []
+    rest = list(range(B))
+    # Short rows over one shared prefix (decode and verify rows, a new prompt on a cached
+    # prefix) go together: one cascade group reads the prefix once for all their queries.
+    short = [b for b in range(B) if ext[b] <= CASCADE_MAX_Q and prefix[b] > 0]
+    if len(short) > 1 and len({_row_kind(ext[b], prefix[b]) for b in short}) > 1:
+        cascade = choose(short, cpp and len(short) == B, cascade_only=True)
+        if cascade is not None:
+            groups.append(cascade)
+            rest = [b for b in rest if b not in set(short)]
+    kinds = [_row_kind(ext[b], prefix[b]) for b in rest]
+    by_kind = [rows for k in range(3) if (rows := [b for b, kb in zip(rest, kinds) if kb == k])]
+    alone = len(groups) + len(by_kind) == 1
+    return groups + [choose(rows, cpp and alone) for rows in by_kind]
