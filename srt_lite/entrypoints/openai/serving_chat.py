@@ -157,19 +157,8 @@ class OpenAIServingChat(OpenAIServingBase):
                 completion[idx] = meta["completion_tokens"]
                 if idx not in parsers:
                     parsers[idx] = new_parser()
-                parser = parsers[idx]
                 reason, matched = finish_reason(meta)
-                reasoning, content = "", chunk["text"]
-                if parser is not None:
-                    reasoning, content = parser.parse_stream_chunk(chunk["text"])
-                    if reason is not None:
-                        r2, c2 = parser.flush()
-                        reasoning, content = reasoning + r2, content + c2
-                delta: dict[str, Any] = {}
-                if reasoning:
-                    delta["reasoning_content"] = reasoning
-                if content:
-                    delta["content"] = content
+                delta = stream_delta(parsers[idx], chunk["text"], final=reason is not None)
                 lp = self.logprob_items(meta) if req.logprobs else []
                 if delta or lp:
                     yield event(
@@ -207,3 +196,19 @@ class OpenAIServingChat(OpenAIServingBase):
             items.append({"token": text, "logprob": lp, "bytes": list(text.encode()), "top_logprobs": top})
         return items
 
+
+def stream_delta(parser: ReasoningParser | None, text: str, final: bool) -> dict[str, str]:
+    """A chunk's new text as a chat delta: `content`, and `reasoning_content` with a
+    reasoning parser (flushed at the choice's last chunk); empty parts are left out."""
+    reasoning, content = "", text
+    if parser is not None:
+        reasoning, content = parser.parse_stream_chunk(text)
+        if final:
+            r2, c2 = parser.flush()
+            reasoning, content = reasoning + r2, content + c2
+    delta = {}
+    if reasoning:
+        delta["reasoning_content"] = reasoning
+    if content:
+        delta["content"] = content
+    return delta
