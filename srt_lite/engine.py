@@ -16,7 +16,9 @@ import threading
 from typing import Any, AsyncIterator, Iterator
 
 from srt_lite.entrypoints.launcher import launch_subprocesses
-from srt_lite.managers.tokenizer_manager import LogprobOptions, RequestError, TokenizerManager
+from srt_lite.managers.generate_request import GenerateRequest, normalize_generate_request
+from srt_lite.managers.tokenizer_manager import TokenizerManager
+from srt_lite.managers.validation import LogprobOptions
 from srt_lite.server_args import ServerArgs
 from srt_lite.utils import configure_logging
 
@@ -49,37 +51,17 @@ class Engine:
     def _run(self, coro) -> Any:
         return asyncio.run_coroutine_threadsafe(coro, self.loop).result()
 
-    def _prepare(self, prompt, sampling_params, input_ids, stream: bool) -> tuple[list[list[int]], list, bool]:
-        """Normalises single/batch inputs to lists of token ids and of SamplingParams."""
+    def _prepare(self, prompt, sampling_params, input_ids, stream: bool, logprobs: LogprobOptions) -> GenerateRequest:
+        """Checks the call and normalises it as POST /generate does its body."""
         self._check_alive()
-        tm = self.tokenizer_manager
-        if (prompt is None) == (input_ids is None):
-            raise RequestError("give exactly one of prompt or input_ids")
-        if prompt is not None:
-            is_batch = isinstance(prompt, list)
-            prompts = prompt if is_batch else [prompt]
-            if not all(isinstance(p, str) for p in prompts):
-                raise RequestError("prompt must be a string or a list of strings")
-            ids = [tm.tokenize(p) for p in prompts]
-        else:
-            is_batch = bool(input_ids) and isinstance(input_ids[0], list)
-            ids = input_ids if is_batch else [input_ids]
-        if isinstance(sampling_params, list):
-            if len(sampling_params) != len(ids):
-                raise RequestError("sampling_params list must have one entry per prompt")
-            params = [tm.make_sampling_params(p) for p in sampling_params]
-        else:
-            params = [tm.make_sampling_params(sampling_params)] * len(ids)
-        if stream and (is_batch or params[0].n > 1):
-            raise RequestError("stream=True takes a single prompt with n == 1")
-        return ids, params, is_batch
-
-    async def _run_all(self, ids: list[list[int]], params: list, logprobs: LogprobOptions) -> list[dict]:
-        """Every prompt's n completions, flattened prompt by prompt."""
-        groups = await asyncio.gather(
-            *(self.tokenizer_manager.generate_n(i, p, logprobs) for i, p in zip(ids, params))
+        return normalize_generate_request(
+            self.tokenizer_manager, text=prompt, input_ids=input_ids, sampling_params=sampling_params,
+            stream=stream, logprobs=logprobs, text_field="prompt",
         )
-        return [out for group in groups for out in group]
+
+    async def _run_all(self, req: GenerateRequest) -> list[dict]:
+        """Every prompt's n completions, prompt after prompt."""
+        return await self.tokenizer_manager.generate_all(req.input_ids, req.params, req.logprobs, req.choice_rids())
 
     # ---- public API --------------------------------------------------------------------
 
@@ -101,11 +83,10 @@ class Engine:
         logprobs = LogprobOptions(
             return_logprob, logprob_start_len, top_logprobs_num, token_ids_logprob, return_text_in_logprobs
         )
-        ids, params, is_batch = self._prepare(prompt, sampling_params, input_ids, stream)
+        req = self._prepare(prompt, sampling_params, input_ids, stream, logprobs)
         if stream:
-            return self._stream(ids[0], params[0], logprobs)
-        outs = self._run(self._run_all(ids, params, logprobs))
-        return outs if is_batch or params[0].n > 1 else outs[0]
+            return self._stream(req.input_ids[0], req.params[0], logprobs)
+        return req.shape(self._run(self._run_all(req)))
 
     def _stream(self, ids: list[int], params, logprobs: LogprobOptions) -> Iterator[dict]:
         agen = self.tokenizer_manager.generate(ids, params, stream=True, logprobs=logprobs)
@@ -135,12 +116,11 @@ class Engine:
         logprobs = LogprobOptions(
             return_logprob, logprob_start_len, top_logprobs_num, token_ids_logprob, return_text_in_logprobs
         )
-        ids, params, is_batch = self._prepare(prompt, sampling_params, input_ids, stream)
+        req = self._prepare(prompt, sampling_params, input_ids, stream, logprobs)
         if stream:
-            return self._async_stream(ids[0], params[0], logprobs)
-        fut = asyncio.run_coroutine_threadsafe(self._run_all(ids, params, logprobs), self.loop)
-        outs = await asyncio.wrap_future(fut)
-        return outs if is_batch or params[0].n > 1 else outs[0]
+            return self._async_stream(req.input_ids[0], req.params[0], logprobs)
+        fut = asyncio.run_coroutine_threadsafe(self._run_all(req), self.loop)
+        return req.shape(await asyncio.wrap_future(fut))
 
     async def _async_stream(self, ids: list[int], params, logprobs: LogprobOptions) -> AsyncIterator[dict]:
         agen = self.tokenizer_manager.generate(ids, params, stream=True, logprobs=logprobs)

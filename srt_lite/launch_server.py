@@ -6,9 +6,13 @@ import asyncio
 import logging
 import signal
 import sys
+from typing import TYPE_CHECKING
 
 from srt_lite.server_args import ServerArgs, prepare_server_args
 from srt_lite.utils import configure_logging, set_process_title
+
+if TYPE_CHECKING:
+    from srt_lite.managers.tokenizer_manager import TokenizerManager
 
 logger = logging.getLogger("srt_lite.launch_server")
 
@@ -38,6 +42,8 @@ def launch_server(server_args: ServerArgs) -> int:
     from srt_lite.entrypoints.http_server import DrainingServer, ServerState, build_app
     from srt_lite.entrypoints.launcher import launch_subprocesses
     from srt_lite.managers.tokenizer_manager import TokenizerManager
+    from srt_lite.metrics import MetricsCollector
+    from srt_lite.model_config import ModelConfig
 
     _check_port_free(server_args.host, server_args.port)
     launch = launch_subprocesses(server_args)
@@ -45,14 +51,13 @@ def launch_server(server_args: ServerArgs) -> int:
     tm = None
     loop = asyncio.new_event_loop()
     try:
-        tm = TokenizerManager(server_args, launch.port_args, launch.model_dir, launch.info)
-        from srt_lite.model_config import ModelConfig
-
+        name = served_name(server_args, launch.model_dir)
+        metrics = MetricsCollector(name) if server_args.enable_metrics else None
+        tm = TokenizerManager(server_args, launch.port_args, launch.model_dir, launch.info, metrics=metrics)
         defaults = ModelConfig.load(launch.model_dir).generation_defaults
-        state = ServerState(tm, launch.model_dir, served_name(server_args, launch.model_dir), defaults)
-        app = build_app(state)
+        state = ServerState(tm, launch.model_dir, name, defaults)
         config = uvicorn.Config(
-            app,
+            build_app(state),
             host=server_args.host,
             port=server_args.port,
             log_level="warning",
@@ -70,7 +75,7 @@ def launch_server(server_args: ServerArgs) -> int:
             server.should_exit = True
 
         launch.procs.watch(on_child_death)
-        logger.info("%s", banner(server_args, state.served_model_name, launch.model_dir, launch.info))
+        logger.info("%s", banner(server_args, name, launch.model_dir, launch.info))
         # While serving, DrainingServer handles SIGINT/SIGTERM (drain, then stop). A signal
         # uvicorn re-raises after serving, or one that arrives outside serve(), reaches these
         # handlers, which turn it into an exception so the cleanup below runs.
@@ -84,7 +89,7 @@ def launch_server(server_args: ServerArgs) -> int:
             exit_code = 1  # e.g. the port was taken
     finally:
         launch.procs.shutdown()
-        if tm is not None and tm._started:
+        if tm is not None and tm.started:
             loop.run_until_complete(_close(tm))
     return exit_code
 
@@ -117,8 +122,8 @@ def _check_port_free(host: str, port: int) -> None:
             raise RuntimeError(f"cannot listen on {host}:{port}: {e.strerror}") from None
 
 
-async def _close(tm) -> None:
-    tm.close()
+async def _close(tm: TokenizerManager) -> None:
+    tm.close()  # in the loop the manager's sockets belong to
 
 
 def main(argv: list[str] | None = None) -> None:

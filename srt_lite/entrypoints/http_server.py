@@ -1,69 +1,40 @@
 """The HTTP server: a starlette app over the TokenizerManager.
 
-Native (SGLang-compatible) endpoints live here; the OpenAI-compatible ones are mounted from
-`entrypoints/openai/`. Every error is returned in the OpenAI error format.
+`build_app` assembles the routes, the exception handlers and the API-key check. Handlers are
+plain functions that find what they need on `request.app.state`: `server` (a ServerState)
+and the OpenAI serving objects. The native (SGLang-compatible) endpoints live here, the
+OpenAI-compatible ones in `entrypoints/openai/`, and every error is returned in the OpenAI
+format (`entrypoints/errors.py`).
 """
 
 from __future__ import annotations
 
 import asyncio
 import dataclasses
+import hmac
 import logging
-from http import HTTPStatus
+from importlib.metadata import PackageNotFoundError, version
 from typing import Any, AsyncIterator
 
-import orjson
 import uvicorn
 from starlette.applications import Starlette
 from starlette.requests import Request
-from starlette.responses import JSONResponse, Response, StreamingResponse
+from starlette.responses import Response, StreamingResponse
 from starlette.routing import Route
 
-from srt_lite.managers.tokenizer_manager import LogprobOptions, Overloaded, RequestError, TokenizerManager
-from srt_lite.metrics import MetricsCollector
+from srt_lite.entrypoints.errors import EXCEPTION_HANDLERS, error_response
+from srt_lite.entrypoints.http_io import SSE_DONE, anext_or_none, json_response, read_json, sse
+from srt_lite.entrypoints.openai.serving_chat import OpenAIServingChat, create_chat_completion
+from srt_lite.entrypoints.openai.serving_completions import OpenAIServingCompletion, create_completion
+from srt_lite.entrypoints.openai.serving_models import list_models, retrieve_model
+from srt_lite.managers.generate_request import normalize_generate_request
+from srt_lite.managers.tokenizer_manager import TokenizerManager
+from srt_lite.managers.validation import LogprobOptions, RequestError
 
 logger = logging.getLogger(__name__)
 
-
-def error_response(
-    message: str, status: int = 400, err_type: str | None = None, param: str | None = None, code: Any = None
-) -> JSONResponse:
-    """The OpenAI error body: {"error": {"message", "type", "param", "code"}}."""
-    err_type = err_type or ("BadRequestError" if status == 400 else HTTPStatus(status).phrase.replace(" ", ""))
-    return JSONResponse(
-        {"error": {"message": message, "type": err_type, "param": param, "code": code if code is not None else status}},
-        status_code=status,
-    )
-
-
-def orjson_response(obj: Any, status: int = 200) -> Response:
-    return Response(orjson.dumps(obj), status_code=status, media_type="application/json")
-
-
-class PayloadTooLarge(Exception):
-    pass
-
-
-async def read_json(request: Request) -> Any:
-    """The JSON body, read up to --max-request-bytes (413 beyond; 400 if not JSON or UTF-8)."""
-    limit = request.app.state.server.max_request_bytes
-    declared = request.headers.get("content-length")
-    if declared is not None and declared.isdigit() and int(declared) > limit:
-        raise PayloadTooLarge(f"the request body exceeds {limit} bytes")
-    chunks, size = [], 0
-    async for chunk in request.stream():
-        size += len(chunk)
-        if size > limit:
-            raise PayloadTooLarge(f"the request body exceeds {limit} bytes")
-        chunks.append(chunk)
-    try:
-        return orjson.loads(b"".join(chunks))
-    except orjson.JSONDecodeError as e:
-        raise RequestError(f"the request body is not valid JSON: {e}") from None
-
-
-def sse(obj: Any) -> bytes:
-    return b"data: " + orjson.dumps(obj) + b"\n\n"
+# After the grace period's abort, how long the aborted requests get to send their final output.
+ABORT_WAIT_S = 5.0
 
 
 class ServerState:
@@ -85,271 +56,106 @@ class ServerState:
         self.generation_defaults = generation_defaults or {}
         self.reasoning_parser = args.reasoning_parser
         self.enable_cache_report = args.enable_cache_report
-        self.enable_metrics = args.enable_metrics
         self.api_key = args.api_key
         self.max_request_bytes = args.max_request_bytes
         self.chat_template = open(args.chat_template).read() if args.chat_template else None
-        self.dead: str | None = None
+        self.dead: str | None = None  # why the server cannot serve (a child process died)
 
-    @staticmethod
-    def json(obj: Any, status: int = 200) -> Response:
-        return orjson_response(obj, status)
-
-    @staticmethod
-    def sse(obj: Any) -> bytes:
-        return sse(obj)
-
-    @staticmethod
-    async def until_disconnected(request: Request, coro) -> Response:
-        """Runs a non-streaming handler, cancelling it if the client goes away (which closes
-        its generators and so aborts the request in the scheduler)."""
-        task = asyncio.ensure_future(coro)
-        try:
-            while True:
-                done, _ = await asyncio.wait({task}, timeout=0.25)
-                if done:
-                    return task.result()
-                if await request.is_disconnected():
-                    task.cancel()
-                    return Response(status_code=499)
-        finally:
-            if not task.done():
-                task.cancel()
+    def unavailable(self) -> str | None:
+        """Why new requests cannot be served now, or None."""
+        if self.dead:
+            return self.dead
+        return "the server is shutting down" if self.tm.draining else None
 
 
-def build_app(state: ServerState) -> Starlette:
+def _server(request: Request) -> ServerState:
+    return request.app.state.server
+
+
+# ---- native endpoints --------------------------------------------------------------------
+
+
+async def health(request: Request) -> Response:
+    reason = _server(request).unavailable()
+    return error_response(reason, 503) if reason else Response(status_code=200)
+
+
+async def health_generate(request: Request) -> Response:
+    """A one-token generation through the whole pipeline."""
+    state = _server(request)
+    reason = state.unavailable()
+    if reason:
+        return error_response(reason, 503)
     tm = state.tm
-
-    async def health(request: Request) -> Response:
-        if state.dead:
-            return error_response(state.dead, 503)
-        if tm.draining:
-            return error_response("the server is shutting down", 503)
-        return Response(status_code=200)
-
-    async def health_generate(request: Request) -> Response:
-        if state.dead or tm.draining:
-            return error_response(state.dead or "the server is shutting down", 503)
-        params = tm.make_sampling_params({"max_new_tokens": 1, "temperature": 0})
-        try:
-            async for _ in tm.generate([tm.tokenizer.eos_token_id or 0], params, internal=True):
-                pass
-        except Exception as e:  # noqa: BLE001
-            return error_response(f"generation failed: {e}", 503)
-        return Response(status_code=200)
-
-    async def get_model_info(request: Request) -> Response:
-        return orjson_response(
-            {
-                "model_path": state.model_dir,
-                "tokenizer_path": state.model_dir,
-                "served_model_name": state.served_model_name,
-                "is_generation": True,
-                "max_context_length": tm.context_len,
-            }
-        )
-
-    async def get_server_info(request: Request) -> Response:
-        info = dataclasses.asdict(tm.server_args)
-        info.update(dataclasses.asdict(tm.info))
-        info["version"] = _version()
-        try:
-            load = await tm.get_load()
-            info["load"] = dataclasses.asdict(load)
-        except asyncio.TimeoutError:
-            pass
-        return orjson_response(info)
-
-    async def flush_cache(request: Request) -> Response:
-        out = await tm.flush_cache()
-        if out.success:
-            return Response("Cache flushed.\n", status_code=200)
-        return error_response(out.message or "cache flush refused", 400)
-
-    async def abort_request(request: Request) -> Response:
-        body = await read_json(request)
-        rid = body.get("rid", "") if isinstance(body, dict) else ""
-        if not isinstance(rid, str):
-            raise RequestError("rid must be a string")
-        await tm.abort(rid)
-        return Response(status_code=200)
-
-    async def generate(request: Request) -> Response:
-        body = await read_json(request)
-        if not isinstance(body, dict):
-            raise RequestError("the request body must be a JSON object")
-        items, is_batch = _generate_items(tm, body)
-        logprobs = LogprobOptions.from_body(body)
-        stream = body.get("stream", False)
-        if not isinstance(stream, bool):
-            raise RequestError("stream must be a boolean")
-        if stream:
-            if is_batch or items[0][1].n > 1:
-                raise RequestError("stream=true takes a single prompt with n == 1")
-            ids, params, rid = items[0]
-            agen = tm.generate(ids, params, stream=True, rid=rid, logprobs=logprobs)
-            first = await _first(agen)  # errors surface here, before the 200 is sent
-            return StreamingResponse(_sse_cumulative(first, agen), media_type="text/event-stream")
-
-        async def one(ids, params, rid):
-            if params.n > 1:
-                return await tm.generate_n(ids, params, logprobs)
-            out = None
-            async for out in tm.generate(ids, params, rid=rid, logprobs=logprobs):
-                pass
-            return [out]
-
-        groups = await asyncio.gather(*(one(*it) for it in items))
-        outs = [o for g in groups for o in g]
-        return orjson_response(outs if is_batch or len(outs) > 1 else outs[0])
-
-    from pydantic import ValidationError
-
-    from srt_lite.entrypoints.openai.serving_base import ModelNotFound
-    from srt_lite.entrypoints.openai.serving_chat import OpenAIServingChat
-    from srt_lite.entrypoints.openai.serving_completions import OpenAIServingCompletion
-
-    chat = OpenAIServingChat(state)
-    completions = OpenAIServingCompletion(state)
-
-    async def chat_completions(request: Request) -> Response:
-        return await chat.create(request, await read_json(request))
-
-    async def openai_completions(request: Request) -> Response:
-        return await completions.create(request, await read_json(request))
-
-    def model_card(name: str) -> dict:
-        return {"id": name, "object": "model", "created": 0, "owned_by": "srt_lite", "root": state.model_dir,
-                "max_model_len": tm.context_len}
-
-    async def list_models(request: Request) -> Response:
-        return orjson_response({"object": "list", "data": [model_card(state.served_model_name)]})
-
-    async def retrieve_model(request: Request) -> Response:
-        name = request.path_params["model"]
-        if name not in state.model_names:
-            return error_response(f"The model `{name}` does not exist.", 404, "invalid_request_error", "model", "model_not_found")
-        return orjson_response(model_card(state.served_model_name))
-
-    async def on_request_error(request: Request, exc: RequestError) -> Response:
-        return error_response(str(exc), 400)
-
-    async def on_validation_error(request: Request, exc: ValidationError) -> Response:
-        first = exc.errors()[0]
-        param = ".".join(str(x) for x in first.get("loc", ()) if x != "body") or None
-        return error_response(f"{param}: {first.get('msg')}" if param else str(first.get("msg")), 400, param=param)
-
-    async def on_too_large(request: Request, exc: PayloadTooLarge) -> Response:
-        return error_response(str(exc), 413, "invalid_request_error")
-
-    async def on_overloaded(request: Request, exc: Overloaded) -> Response:
-        response = error_response(str(exc), 503, "service_unavailable")
-        response.headers["Retry-After"] = "1"
-        return response
-
-    async def on_model_not_found(request: Request, exc: ModelNotFound) -> Response:
-        return error_response(str(exc), 404, "invalid_request_error", "model", "model_not_found")
-
-    routes = [
-        Route("/health", health, methods=["GET"]),
-        Route("/health_generate", health_generate, methods=["GET"]),
-        Route("/get_model_info", get_model_info, methods=["GET"]),
-        Route("/get_server_info", get_server_info, methods=["GET"]),
-        Route("/flush_cache", flush_cache, methods=["GET", "POST"]),
-        Route("/abort_request", abort_request, methods=["POST"]),
-        Route("/generate", generate, methods=["POST"]),
-        Route("/v1/chat/completions", chat_completions, methods=["POST"]),
-        Route("/v1/completions", openai_completions, methods=["POST"]),
-        Route("/v1/models", list_models, methods=["GET"]),
-        Route("/v1/models/{model:path}", retrieve_model, methods=["GET"]),
-    ]
-    if state.enable_metrics:
-        tm.metrics = MetricsCollector(state.served_model_name)
-
-        async def metrics(request: Request) -> Response:
-            body, content_type = tm.metrics.render(await tm.get_load())
-            return Response(body, media_type=content_type)
-
-        routes.append(Route("/metrics", metrics, methods=["GET"]))
-    handlers = {
-        RequestError: on_request_error,
-        ValidationError: on_validation_error,
-        ModelNotFound: on_model_not_found,
-        PayloadTooLarge: on_too_large,
-        Overloaded: on_overloaded,
-    }
-    app = Starlette(routes=routes, exception_handlers=handlers)
-    if state.api_key:
-        app.add_middleware(ApiKeyMiddleware, api_key=state.api_key)
-    app.state.server = state
-    return app
-
-
-class ApiKeyMiddleware:
-    """401 unless `Authorization: Bearer <key>` matches; /health stays open for probes."""
-
-    def __init__(self, app, api_key: str):
-        self.app = app
-        self.expected = f"Bearer {api_key}".encode()
-
-    async def __call__(self, scope, receive, send) -> None:
-        if scope["type"] == "http" and scope["path"] != "/health":
-            auth = dict(scope["headers"]).get(b"authorization", b"")
-            import hmac
-
-            if not hmac.compare_digest(auth, self.expected):
-                response = error_response("Incorrect API key provided.", 401, "invalid_request_error", None, "invalid_api_key")
-                await response(scope, receive, send)
-                return
-        await self.app(scope, receive, send)
-
-
-def _generate_items(tm: TokenizerManager, body: dict) -> tuple[list[tuple[list[int], Any, str | None]], bool]:
-    text, input_ids = body.get("text"), body.get("input_ids")
-    if (text is None) == (input_ids is None):
-        raise RequestError("give exactly one of text or input_ids")
-    if text is not None:
-        is_batch = isinstance(text, list)
-        texts = text if is_batch else [text]
-        if not texts or not all(isinstance(t, str) for t in texts):
-            raise RequestError("text must be a string or a non-empty list of strings")
-        ids = [tm.tokenize(t) for t in texts]
-    else:
-        if not isinstance(input_ids, list) or not input_ids:
-            raise RequestError("input_ids must be a non-empty list of token ids or of lists of token ids")
-        is_batch = isinstance(input_ids[0], list)
-        ids = input_ids if is_batch else [input_ids]
-        if not all(isinstance(x, list) for x in ids):
-            raise RequestError("input_ids must not mix token ids and lists")
-    sp = body.get("sampling_params")
-    if isinstance(sp, list):
-        if len(sp) != len(ids):
-            raise RequestError("sampling_params list must have one entry per prompt")
-        params = [tm.make_sampling_params(p if isinstance(p, dict) else _bad_params()) for p in sp]
-    else:
-        if sp is not None and not isinstance(sp, dict):
-            raise RequestError("sampling_params must be an object")
-        params = [tm.make_sampling_params(sp)] * len(ids)
-    rid = body.get("rid")
-    rids = rid if isinstance(rid, list) else [rid] * len(ids)
-    if rid is not None and is_batch and not isinstance(rid, list):
-        raise RequestError("rid must be a list for a batch")
-    if len(rids) != len(ids) or not all(r is None or isinstance(r, str) for r in rids):
-        raise RequestError("rid must be a string (or a list of strings for a batch)")
-    for i, p in zip(ids, params):
-        tm.validate(i, p)
-    return list(zip(ids, params, rids)), is_batch
-
-
-def _bad_params():
-    raise RequestError("each sampling_params entry must be an object")
-
-
-async def _first(agen: AsyncIterator[dict]) -> dict | None:
+    params = tm.make_sampling_params({"max_new_tokens": 1, "temperature": 0})
     try:
-        return await agen.__anext__()
-    except StopAsyncIteration:
-        return None
+        async for _ in tm.generate([tm.tokenizer.eos_token_id or 0], params, internal=True):
+            pass
+    except Exception as e:  # noqa: BLE001
+        return error_response(f"generation failed: {e}", 503)
+    return Response(status_code=200)
+
+
+async def get_model_info(request: Request) -> Response:
+    state = _server(request)
+    return json_response({
+        "model_path": state.model_dir,
+        "tokenizer_path": state.model_dir,
+        "served_model_name": state.served_model_name,
+        "is_generation": True,
+        "max_context_length": state.tm.context_len,
+    })
+
+
+async def get_server_info(request: Request) -> Response:
+    tm = _server(request).tm
+    info = dataclasses.asdict(tm.server_args)
+    info.update(dataclasses.asdict(tm.info))
+    info["version"] = _version()
+    try:
+        info["load"] = dataclasses.asdict(await tm.get_load())
+    except asyncio.TimeoutError:
+        pass  # the scheduler is busy or gone; the rest is still worth answering
+    return json_response(info)
+
+
+async def flush_cache(request: Request) -> Response:
+    out = await _server(request).tm.flush_cache()
+    if out.success:
+        return Response("Cache flushed.\n", status_code=200)
+    return error_response(out.message or "cache flush refused", 400)
+
+
+async def abort_request(request: Request) -> Response:
+    body = await read_json(request)
+    rid = body.get("rid", "") if isinstance(body, dict) else ""
+    if not isinstance(rid, str):
+        raise RequestError("rid must be a string")
+    await _server(request).tm.abort(rid)
+    return Response(status_code=200)
+
+
+async def generate(request: Request) -> Response:
+    """SGLang's /generate: one prompt or a batch, whole results or (one prompt) a stream."""
+    tm = _server(request).tm
+    body = await read_json(request)
+    if not isinstance(body, dict):
+        raise RequestError("the request body must be a JSON object")
+    logprobs = LogprobOptions.from_body(body)
+    stream = body.get("stream", False)
+    if not isinstance(stream, bool):
+        raise RequestError("stream must be a boolean")
+    req = normalize_generate_request(
+        tm, text=body.get("text"), input_ids=body.get("input_ids"), sampling_params=body.get("sampling_params"),
+        rid=body.get("rid"), stream=stream, logprobs=logprobs,
+    )
+    if stream:
+        agen = tm.generate(req.input_ids[0], req.params[0], stream=True, rid=req.rids[0], logprobs=logprobs)
+        first = await anext_or_none(agen)  # errors surface here, before the 200 is sent
+        return StreamingResponse(_sse_cumulative(first, agen), media_type="text/event-stream")
+    rids = req.choice_rids()
+    outs = await tm.generate_all(req.input_ids, req.params, logprobs, rids)
+    return json_response(req.shape(outs))
 
 
 async def _sse_cumulative(first: dict | None, agen: AsyncIterator[dict]) -> AsyncIterator[bytes]:
@@ -366,19 +172,67 @@ async def _sse_cumulative(first: dict | None, agen: AsyncIterator[dict]) -> Asyn
                     lists.setdefault(key, []).extend(value)
                     meta[key] = list(lists[key])
             yield sse({"text": text, "output_ids": ids, "meta_info": meta})
-            chunk = await _first(agen)
-        yield b"data: [DONE]\n\n"
+            chunk = await anext_or_none(agen)
+        yield SSE_DONE
     finally:
         await agen.aclose()
 
 
+async def metrics(request: Request) -> Response:
+    body, content_type = await _server(request).tm.render_metrics()
+    return Response(body, media_type=content_type)
+
+
 def _version() -> str:
     try:
-        from importlib.metadata import version
-
         return version("srt_lite")
-    except Exception:  # noqa: BLE001
+    except PackageNotFoundError:
         return "unknown"
+
+
+# ---- the app -----------------------------------------------------------------------------
+
+
+class ApiKeyMiddleware:
+    """401 unless `Authorization: Bearer <key>` matches; /health stays open for probes."""
+
+    def __init__(self, app, api_key: str):
+        self.app = app
+        self.expected = f"Bearer {api_key}".encode()
+
+    async def __call__(self, scope, receive, send) -> None:
+        if scope["type"] == "http" and scope["path"] != "/health":
+            auth = dict(scope["headers"]).get(b"authorization", b"")
+            if not hmac.compare_digest(auth, self.expected):
+                response = error_response("Incorrect API key provided.", 401, "invalid_request_error", None, "invalid_api_key")
+                await response(scope, receive, send)
+                return
+        await self.app(scope, receive, send)
+
+
+def build_app(state: ServerState) -> Starlette:
+    routes = [
+        Route("/health", health, methods=["GET"]),
+        Route("/health_generate", health_generate, methods=["GET"]),
+        Route("/get_model_info", get_model_info, methods=["GET"]),
+        Route("/get_server_info", get_server_info, methods=["GET"]),
+        Route("/flush_cache", flush_cache, methods=["GET", "POST"]),
+        Route("/abort_request", abort_request, methods=["POST"]),
+        Route("/generate", generate, methods=["POST"]),
+        Route("/v1/chat/completions", create_chat_completion, methods=["POST"]),
+        Route("/v1/completions", create_completion, methods=["POST"]),
+        Route("/v1/models", list_models, methods=["GET"]),
+        Route("/v1/models/{model:path}", retrieve_model, methods=["GET"]),
+    ]
+    if state.tm.metrics is not None:
+        routes.append(Route("/metrics", metrics, methods=["GET"]))
+    app = Starlette(routes=routes, exception_handlers=EXCEPTION_HANDLERS)
+    if state.api_key:
+        app.add_middleware(ApiKeyMiddleware, api_key=state.api_key)
+    app.state.server = state
+    app.state.openai_chat = OpenAIServingChat(state)
+    app.state.openai_completions = OpenAIServingCompletion(state)
+    return app
 
 
 class DrainingServer(uvicorn.Server):
@@ -400,21 +254,12 @@ class DrainingServer(uvicorn.Server):
         self.drain_task = asyncio.get_event_loop().create_task(self.drain())
 
     async def drain(self) -> None:
-        tm, loop = self.tm, asyncio.get_running_loop()
-        tm.draining = True
-        if tm.rid_to_state:
-            logger.info(
-                "Shutting down: waiting up to %.0f s for %d request(s) in flight", self.grace, len(tm.rid_to_state)
-            )
-        await _wait_until_idle(tm, loop.time() + self.grace)
-        if tm.rid_to_state:
-            logger.info("Shutting down: aborting %d request(s)", len(tm.rid_to_state))
+        tm = self.tm
+        tm.drain()
+        if tm.num_in_flight():
+            logger.info("Shutting down: waiting up to %.0f s for %d request(s) in flight", self.grace, tm.num_in_flight())
+        if not await tm.wait_idle(self.grace):
+            logger.info("Shutting down: aborting %d request(s)", tm.num_in_flight())
             await tm.abort("")  # "" = every request
-            await _wait_until_idle(tm, loop.time() + 5.0)  # their final abort outputs
+            await tm.wait_idle(ABORT_WAIT_S)
         self.should_exit = True
-
-
-async def _wait_until_idle(tm: TokenizerManager, deadline: float) -> None:
-    loop = asyncio.get_running_loop()
-    while tm.rid_to_state and loop.time() < deadline:
-        await asyncio.sleep(0.05)

@@ -1,22 +1,23 @@
-"""What chat and completions serving share: model check, sampling defaults, running n
-choices as one merged stream, usage and error helpers."""
+"""What chat and completions serving share: model check, sampling defaults, running the
+choices of a request, usage and finish-reason helpers."""
 
 from __future__ import annotations
 
-import asyncio
-import dataclasses
-from typing import TYPE_CHECKING, Any, AsyncIterator
+from typing import TYPE_CHECKING, Any, AsyncIterator, Awaitable, Callable
 
+from starlette.requests import Request
+from starlette.responses import Response, StreamingResponse
+
+from srt_lite.entrypoints.http_io import anext_or_none, until_disconnected
 from srt_lite.entrypoints.openai.protocol import UsageInfo, _SamplingFields
-from srt_lite.managers.tokenizer_manager import LogprobOptions, RequestError, TokenizerManager
+from srt_lite.entrypoints.openai.serving_models import check_model
+from srt_lite.managers.choices import numbered_rids
+from srt_lite.managers.tokenizer_manager import TokenizerManager
+from srt_lite.managers.validation import LogprobOptions
 from srt_lite.sampling.sampling_params import SamplingParams
 
 if TYPE_CHECKING:
     from srt_lite.entrypoints.http_server import ServerState
-
-
-class ModelNotFound(Exception):
-    pass
 
 
 # OpenAI's own defaults for fields neither the request nor generation_config sets.
@@ -30,8 +31,8 @@ class OpenAIServingBase:
         self.defaults = {**OPENAI_DEFAULTS, **state.generation_defaults}
 
     def check_model(self, model: str | None) -> None:
-        if model is not None and model not in self.state.model_names:
-            raise ModelNotFound(f"The model `{model}` does not exist.")
+        if model is not None:
+            check_model(self.state, model)
 
     def sampling_params(self, req: _SamplingFields, max_tokens: int | None, prompt_len: int) -> SamplingParams:
         """OpenAI fields -> SamplingParams. Unset fields: generation_config, then OpenAI's
@@ -64,17 +65,22 @@ class OpenAIServingBase:
         }
         return self.tm.make_sampling_params(d)
 
-    async def respond(self, request, stream: bool, choices: AsyncIterator, make_stream, make_collect):
+    async def respond(
+        self,
+        request: Request,
+        stream: bool,
+        choices: AsyncIterator,
+        make_stream: Callable[[Any], AsyncIterator[bytes]],
+        make_collect: Callable[[], Awaitable[Response]],
+    ) -> Response:
         """A streaming response, or the collected one. For a stream, the first chunk is awaited
         before the 200 goes out, so a request that fails late still gets a real error status."""
-        from starlette.responses import StreamingResponse
-
         if stream:
             first = await anext_or_none(choices)
             return StreamingResponse(make_stream(first), media_type="text/event-stream")
-        return await self.state.until_disconnected(request, make_collect())
+        return await until_disconnected(request, make_collect())
 
-    async def run_choices(
+    def run_choices(
         self,
         prompts: list[list[int]],
         params: SamplingParams,
@@ -82,60 +88,10 @@ class OpenAIServingBase:
         rid: str | None = None,
     ) -> AsyncIterator[tuple[int, dict]]:
         """The n choices of every prompt as one stream of (choice index, incremental chunk);
-        choice j * n + i is sample i of prompt j. For n > 1 each prompt is prefilled once
-        first, so its choices reuse the KV. Closing this generator early (client gone)
-        closes every choice, which aborts it in the scheduler."""
-        n = params.n
-        if n > 1:
-            await asyncio.gather(*(self.tm.prefill_only(ids, params) for ids in prompts))
-        gens = []
-        for ids in prompts:
-            for i in range(n):
-                p = dataclasses.replace(params, n=1, seed=None if params.seed is None else params.seed + i)
-                choice_rid = None if rid is None else (rid if len(prompts) * n == 1 else f"{rid}-{len(gens)}")
-                gens.append(self.tm.generate(ids, p, stream=True, rid=choice_rid, logprobs=logprobs))
-        if len(gens) == 1:
-            try:
-                async for chunk in gens[0]:
-                    yield 0, chunk
-            finally:
-                await gens[0].aclose()
-            return
-        queue: asyncio.Queue = asyncio.Queue()
-        done = object()
-
-        async def pump(i: int, gen) -> None:
-            try:
-                async for chunk in gen:
-                    await queue.put((i, chunk))
-            except Exception as e:  # noqa: BLE001 - surfaced to the consumer below
-                await queue.put((i, e))
-            finally:
-                await queue.put((i, done))
-
-        tasks = [asyncio.ensure_future(pump(i, g)) for i, g in enumerate(gens)]
-        try:
-            remaining = len(gens)
-            while remaining:
-                idx, item = await queue.get()
-                if item is done:
-                    remaining -= 1
-                elif isinstance(item, Exception):
-                    raise item
-                else:
-                    yield idx, item
-        finally:
-            for t in tasks:
-                t.cancel()
-            for g in gens:
-                await g.aclose()
-
-
-async def anext_or_none(it: AsyncIterator):
-    try:
-        return await it.__anext__()
-    except StopAsyncIteration:
-        return None
+        choice j * n + i is sample i of prompt j. A client rid names the only choice, or
+        choice k as rid-k. Closing the stream early (client gone) aborts every choice."""
+        rids = numbered_rids(rid, len(prompts) * params.n)
+        return self.tm.generate_choices(prompts, [params] * len(prompts), logprobs, rids, stream=True)
 
 
 def finish_reason(meta: dict) -> tuple[str | None, Any]:

@@ -7,17 +7,24 @@ from typing import Any, AsyncIterator
 from starlette.requests import Request
 from starlette.responses import Response
 
+from srt_lite.entrypoints.errors import stream_error
+from srt_lite.entrypoints.http_io import SSE_DONE, anext_or_none, json_response, read_json, sse
 from srt_lite.entrypoints.openai.protocol import ChatCompletionRequest, now, random_id
 from srt_lite.entrypoints.openai.serving_base import (
     OpenAIServingBase,
     abort_error,
-    anext_or_none,
     finish_reason,
     token_text,
     usage,
 )
-from srt_lite.managers.tokenizer_manager import LogprobOptions, RequestError
+from srt_lite.managers.validation import LogprobOptions, RequestError
 from srt_lite.parser.reasoning_parser import ReasoningParser, prompt_opens_reasoning
+
+
+async def create_chat_completion(request: Request) -> Response:
+    """POST /v1/chat/completions"""
+    serving: OpenAIServingChat = request.app.state.openai_chat
+    return await serving.create(request, await read_json(request))
 
 
 class OpenAIServingChat(OpenAIServingBase):
@@ -108,7 +115,7 @@ class OpenAIServingChat(OpenAIServingBase):
             "choices": out_choices,
             "usage": usage(prompt_tokens, completion_tokens, self.cached(cached), reasoning_tokens if new_parser() else None),
         }
-        return self.state.json(body)
+        return json_response(body)
 
     # ---- streaming -----------------------------------------------------------------------
 
@@ -127,7 +134,7 @@ class OpenAIServingChat(OpenAIServingBase):
                 "choices": [] if choice is None else [choice],
                 "usage": usage_obj,
             }
-            return self.state.sse(body)
+            return sse(body)
 
         def running_usage() -> dict | None:
             if not continuous:
@@ -144,25 +151,14 @@ class OpenAIServingChat(OpenAIServingBase):
                 meta = chunk["meta_info"]
                 err = abort_error(meta)
                 if err:
-                    yield self.state.sse({"error": {"message": err, "type": "BadRequestError", "param": None, "code": 400}})
+                    yield sse(stream_error(err))
                     break
                 prompt_tokens, cached = meta["prompt_tokens"], max(cached, meta["cached_tokens"])
                 completion[idx] = meta["completion_tokens"]
                 if idx not in parsers:
                     parsers[idx] = new_parser()
-                parser = parsers[idx]
                 reason, matched = finish_reason(meta)
-                reasoning, content = "", chunk["text"]
-                if parser is not None:
-                    reasoning, content = parser.parse_stream_chunk(chunk["text"])
-                    if reason is not None:
-                        r2, c2 = parser.flush()
-                        reasoning, content = reasoning + r2, content + c2
-                delta: dict[str, Any] = {}
-                if reasoning:
-                    delta["reasoning_content"] = reasoning
-                if content:
-                    delta["content"] = content
+                delta = stream_delta(parsers[idx], chunk["text"], final=reason is not None)
                 lp = self.logprob_items(meta) if req.logprobs else []
                 if delta or lp:
                     yield event(
@@ -178,7 +174,7 @@ class OpenAIServingChat(OpenAIServingBase):
             else:
                 if include_usage:
                     yield event(None, usage(prompt_tokens, sum(completion.values()), self.cached(cached)))
-            yield b"data: [DONE]\n\n"
+            yield SSE_DONE
         finally:
             await choices.aclose()
 
@@ -200,3 +196,19 @@ class OpenAIServingChat(OpenAIServingBase):
             items.append({"token": text, "logprob": lp, "bytes": list(text.encode()), "top_logprobs": top})
         return items
 
+
+def stream_delta(parser: ReasoningParser | None, text: str, final: bool) -> dict[str, str]:
+    """A chunk's new text as a chat delta: `content`, and `reasoning_content` with a
+    reasoning parser (flushed at the choice's last chunk); empty parts are left out."""
+    reasoning, content = "", text
+    if parser is not None:
+        reasoning, content = parser.parse_stream_chunk(text)
+        if final:
+            r2, c2 = parser.flush()
+            reasoning, content = reasoning + r2, content + c2
+    delta = {}
+    if reasoning:
+        delta["reasoning_content"] = reasoning
+    if content:
+        delta["content"] = content
+    return delta

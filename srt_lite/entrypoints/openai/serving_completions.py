@@ -7,16 +7,23 @@ from typing import Any, AsyncIterator
 from starlette.requests import Request
 from starlette.responses import Response
 
+from srt_lite.entrypoints.errors import stream_error
+from srt_lite.entrypoints.http_io import SSE_DONE, anext_or_none, json_response, read_json, sse
 from srt_lite.entrypoints.openai.protocol import CompletionRequest, now, random_id
 from srt_lite.entrypoints.openai.serving_base import (
     OpenAIServingBase,
     abort_error,
-    anext_or_none,
     finish_reason,
     token_text,
     usage,
 )
-from srt_lite.managers.tokenizer_manager import LogprobOptions, RequestError
+from srt_lite.managers.validation import LogprobOptions, RequestError
+
+
+async def create_completion(request: Request) -> Response:
+    """POST /v1/completions"""
+    serving: OpenAIServingCompletion = request.app.state.openai_completions
+    return await serving.create(request, await read_json(request))
 
 
 class OpenAIServingCompletion(OpenAIServingBase):
@@ -94,7 +101,7 @@ class OpenAIServingCompletion(OpenAIServingBase):
             "choices": out,
             "usage": usage(prompt_tokens, completion_tokens, cached if self.state.enable_cache_report else None),
         }
-        return self.state.json(body)
+        return json_response(body)
 
     async def stream(self, req: CompletionRequest, meta_id: str, first, choices: AsyncIterator, echo_texts) -> AsyncIterator[bytes]:
         created, model = now(), self.state.served_model_name
@@ -105,7 +112,7 @@ class OpenAIServingCompletion(OpenAIServingBase):
         continuous = bool(req.stream_options and req.stream_options.continuous_usage_stats)
 
         def event(choice: dict | None, usage_obj: dict | None = None) -> bytes:
-            return self.state.sse({
+            return sse({
                 "id": meta_id, "object": "text_completion", "created": created, "model": model,
                 "choices": [] if choice is None else [choice], "usage": usage_obj,
             })
@@ -120,7 +127,7 @@ class OpenAIServingCompletion(OpenAIServingBase):
                 meta = chunk["meta_info"]
                 err = abort_error(meta)
                 if err:
-                    yield self.state.sse({"error": {"message": err, "type": "BadRequestError", "param": None, "code": 400}})
+                    yield sse(stream_error(err))
                     break
                 if idx % req.n == 0:
                     prompt[idx] = meta["prompt_tokens"]
@@ -147,7 +154,7 @@ class OpenAIServingCompletion(OpenAIServingBase):
             else:
                 if include_usage:
                     yield event(None, total_usage())
-            yield b"data: [DONE]\n\n"
+            yield SSE_DONE
         finally:
             await choices.aclose()
 
