@@ -80,12 +80,14 @@ def test_stream_chunks_concatenate_to_full_text(engine):
 
 
 def test_stream_closed_early_aborts_and_frees_kv(engine):
+    aborted = engine.get_load().num_aborted_reqs
     it = engine.generate("Count from one to one thousand:", {"max_new_tokens": 2000, "ignore_eos": True}, stream=True)
     for i, _ in enumerate(it):
         if i == 3:
             break
     it.close()
     assert_idle(engine)
+    assert engine.get_load().num_aborted_reqs == aborted + 1  # ended by the abort, not by its length
 
 
 def test_abort_running_and_waiting(engine):

@@ -258,7 +258,9 @@ def test_dropped_streams_free_their_kv(server):
 
 def test_non_streaming_disconnect_aborts(server):
     body = {"model": MODEL, "prompt": "Count:", "max_tokens": 3000, "ignore_eos": True}
+    aborted = load(server)["num_aborted_reqs"]
     with pytest.raises(httpx.ReadTimeout):
         httpx.post(server.base_url + "/v1/completions", json=body, timeout=1.5)
     info = wait_kv_idle(server)
     assert info["num_running_reqs"] == 0 and info["kv_used_tokens"] == 0
+    assert info["num_aborted_reqs"] == aborted + 1  # ended by the abort, not by its length

@@ -137,6 +137,7 @@ def test_abort_request_endpoint(server):
 
 def test_client_disconnect_aborts_stream(server):
     body = {"text": "Count to a million:", "stream": True, "sampling_params": {"max_new_tokens": 4000, "ignore_eos": True}}
+    aborted = httpx.get(server.base_url + "/get_server_info").json()["load"]["num_aborted_reqs"]
     with httpx.stream("POST", server.base_url + "/generate", json=body, timeout=60) as r:
         for i, _ in enumerate(r.iter_lines()):
             if i > 6:
@@ -148,6 +149,7 @@ def test_client_disconnect_aborts_stream(server):
             break
         time.sleep(0.1)
     assert load["num_running_reqs"] == 0 and load["kv_used_tokens"] == 0 and load["invariant_ok"]
+    assert load["num_aborted_reqs"] == aborted + 1  # ended by the abort, not by its length
 
 
 def test_metrics_endpoint_is_off_by_default(server):
