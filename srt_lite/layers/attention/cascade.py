@@ -53,19 +53,31 @@ def _attend_prefix(
 
 
 @dataclass(frozen=True, eq=False)
-class CascadePlan(Plan):
-    """Folded rows (see FoldedPlan) over a shared prefix: each row's suffix padded to the
-    longest suffix, the prefix unpadded."""
+class _OverSharedPrefix(Plan):
+    """A plan whose rows all start with `prefix`, which every query of the group attends as
+    one sequence: q [Tg, H * D] becomes [1, Hkv, Tg * G, D], query row t * G + g."""
 
-    kind: ClassVar[PlanKind] = PlanKind.CASCADE
     prefix: SharedPrefix
-    kv_index: torch.Tensor  # [B, Ls] int64 suffix slots (0 = padding slot)
-    bias: torch.Tensor  # [B, 1, G * Lq, Ls] 0 / -inf, query row g * Lq + t
-    layout: QueryLayout
 
     @property
     def shared_prefix_len(self) -> int:
         return self.prefix.length
+
+    @staticmethod
+    def as_sequence(q: torch.Tensor, layer) -> torch.Tensor:
+        T, Hkv, D = q.shape[0], layer.num_kv_heads, layer.head_dim
+        return q.view(T, Hkv, layer.num_heads // Hkv, D).transpose(0, 1).reshape(1, Hkv, -1, D)
+
+
+@dataclass(frozen=True, eq=False)
+class CascadePlan(_OverSharedPrefix):
+    """Folded rows (see FoldedPlan) over a shared prefix: each row's suffix padded to the
+    longest suffix, the prefix unpadded."""
+
+    kind: ClassVar[PlanKind] = PlanKind.CASCADE
+    kv_index: torch.Tensor  # [B, Ls] int64 suffix slots (0 = padding slot)
+    bias: torch.Tensor  # [B, 1, G * Lq, Ls] 0 / -inf, query row g * Lq + t
+    layout: QueryLayout
 
     def attend(self, q, k_buf, v_buf, layer, out=None):
         T = q.shape[0]
@@ -77,8 +89,7 @@ class CascadePlan(Plan):
             o_suf, lse_suf = self.layout.take(o_suf), self.layout.take(lse_suf)
         else:
             o_suf, lse_suf = o_suf.reshape(T, Hkv, G, D), lse_suf.reshape(T, Hkv, G)
-        q_seq = q.view(T, Hkv, G, D).transpose(0, 1).reshape(1, Hkv, T * G, D)  # row t * G + g
-        o_pre, lse_pre = _attend_prefix(q_seq, k_buf, v_buf, self.prefix, layer.scaling)
+        o_pre, lse_pre = _attend_prefix(self.as_sequence(q, layer), k_buf, v_buf, self.prefix, layer.scaling)
         o_pre = o_pre.view(Hkv, T, G, D).transpose(0, 1)  # [Tg, Hkv, G, D]
         lse_pre = lse_pre.view(Hkv, T, G).transpose(0, 1)  # [Tg, Hkv, G]
         if out is None:
@@ -88,7 +99,7 @@ class CascadePlan(Plan):
 
 
 @dataclass(frozen=True, eq=False)
-class TokenCascadePlan(Plan):
+class TokenCascadePlan(_OverSharedPrefix):
     """A cascade whose suffix part is one sequence too: every row's suffix keys concatenated,
     attended by all the group's queries (unpadded, as for the prefix) under a mask that lets
     a query see its own row's keys up to its position. One large call computes many more
@@ -96,19 +107,14 @@ class TokenCascadePlan(Plan):
     prefix output's layout (no padding, no reordering)."""
 
     kind: ClassVar[PlanKind] = PlanKind.TOKEN_CASCADE
-    prefix: SharedPrefix
     suffix_index: torch.Tensor  # [S] int64: every row's suffix slots, row after row
     bias: torch.Tensor  # [1, 1, Tg * G, S] 0 / -inf, query row t * G + g
-
-    @property
-    def shared_prefix_len(self) -> int:
-        return self.prefix.length
 
     def attend(self, q, k_buf, v_buf, layer, out=None):
         T = q.shape[0]
         H, Hkv, D = layer.num_heads, layer.num_kv_heads, layer.head_dim
         G = H // Hkv
-        q_seq = q.view(T, Hkv, G, D).transpose(0, 1).reshape(1, Hkv, T * G, D)  # row t * G + g
+        q_seq = self.as_sequence(q, layer)
         o_suf, lse_suf = _attend_token_suffixes(q_seq, k_buf, v_buf, self.suffix_index, self.bias, layer.scaling)
         o_pre, lse_pre = _attend_prefix(q_seq, k_buf, v_buf, self.prefix, layer.scaling)
         # [1, Hkv, Tg * G, D] -> token order, merged straight into the output's layout.
