@@ -207,6 +207,7 @@ def test_token_cascade_choice_with_and_without_the_cpp_op(tmp_path, own, new_tok
     assert torch.allclose(logits[False], logits[True], atol=1e-5)
 
 
+@pytest.mark.slow
 def test_compiled_graph_runs_a_token_cascade_step_in_cpp_and_other_steps_in_python(tmp_path, monkeypatch):
     """--enable-torch-compile: a step that is one token cascade runs its attention inside the
     graph's C++ op (no Python call per layer); the steps around it (prefill, plain decode) go

@@ -15,6 +15,7 @@ from srt_lite.model_loader.default_model import ModelPathError, resolve_model_pa
 from srt_lite.model_executor.dtype import resolve_dtype
 
 
+@pytest.mark.slow
 def test_gguf_converts_once_then_loads_from_cache(tmp_path, monkeypatch):
     monkeypatch.setenv("SRT_LITE_CACHE", str(tmp_path))
     gguf = default_model.default_gguf_path()

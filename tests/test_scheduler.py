@@ -30,6 +30,7 @@ PRESSURE = pytest.mark.parametrize(
 )
 
 
+@pytest.mark.slow
 @PRESSURE
 def test_outputs_unchanged_under_pressure(kwargs, reference):
     with Engine(dtype="float32", log_level="warning", **kwargs) as eng:

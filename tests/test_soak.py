@@ -9,12 +9,15 @@ import subprocess
 import sys
 from pathlib import Path
 
+import pytest
+
 from server_utils import ServerProcess
 
 SOAK = Path(__file__).resolve().parent.parent / "benchmarks" / "soak.py"
 KINDS = {"chat", "chat_stream_stop", "completion_n", "completion_stream_logprobs", "generate"}
 
 
+@pytest.mark.slow
 def test_two_minute_soak(tmp_path):
     out = tmp_path / "soak.json"
     with ServerProcess("--max-total-tokens", "2048") as s:

@@ -231,6 +231,7 @@ def accept_len(eng) -> float:
     return load.spec_new_tokens / max(load.spec_verified_rows, 1)
 
 
+@pytest.mark.slow
 def test_greedy_output_equals_plain_decoding_alone_and_batched(engine, spec_engine):
     prompts = REPETITIVE + PROMPTS[:4]
     plain = [engine.generate(p, GREEDY)["output_ids"] for p in prompts]
@@ -329,6 +330,7 @@ def test_drafting_rows_share_batches_with_sampled_penalized_and_logprob_requests
     assert_idle(spec_engine)
 
 
+@pytest.mark.slow
 @PRESSURE
 def test_pressure_and_no_radix_cache_keep_output_and_free_rejected_drafts(engine, kwargs):
     """With a KV cache too small for the batch, drafts shrink to what fits, requests are
@@ -381,6 +383,7 @@ def test_server_streams_drafted_tokens_like_the_benchmark_client(engine):
         assert float(line.rsplit(" ", 1)[1]) > 1.5
 
 
+@pytest.mark.slow
 def test_short_prompts_joining_mid_way_leave_the_drafting_rows_drafting(engine):
     """A short prompt that joins a running batch makes a mixed step; the running greedy
     request keeps verifying drafts in it (the prefill log counts them), and both outputs
@@ -412,6 +415,7 @@ def test_short_prompts_joining_mid_way_leave_the_drafting_rows_drafting(engine):
     assert drafted and max(drafted) > 0, log[-2000:]
 
 
+@pytest.mark.slow
 def test_tensor_parallel_ranks_draft_and_accept_alike(engine):
     """Every rank drafts from the same tokens and accepts from the same (all-gathered)
     logits, so a TP server with drafting still gives the plain greedy text."""

@@ -59,6 +59,7 @@ def test_sharded_logits_match_tp1(tiny_model, tmp_path):
             assert (a - b).abs().max().item() < 1e-4, tp
 
 
+@pytest.mark.slow
 def test_smollm2_tp3_generates_what_tp1_does(engine):
     prompts = PROMPTS[:4]
     params = {"max_new_tokens": 12, "temperature": 0, "ignore_eos": True}

@@ -11,7 +11,7 @@ read once per layer for all of them instead of once per row.
 from __future__ import annotations
 
 from dataclasses import dataclass
-from enum import Enum
+from enum import Enum, IntEnum
 from typing import Callable
 
 import torch
@@ -98,11 +98,18 @@ def choose_group(
     return (PlanKind.EXTEND if max_q > VERIFY_MAX_Q else PlanKind.FOLDED), 0
 
 
-def _row_kind(ext: int, prefix: int) -> int:
-    """0 decode, 1 verify, 2 extend: the order of the step's groups."""
+class RowKind(IntEnum):
+    """What a row computes this step; the step's groups come in this order."""
+
+    DECODE = 0  # one new token
+    VERIFY = 1  # a few new tokens after a prefix (speculative decoding, short prompts)
+    EXTEND = 2  # a prompt or a chunk of one
+
+
+def row_kind(ext: int, prefix: int) -> RowKind:
     if ext == 1:
-        return 0
-    return 1 if ext <= VERIFY_MAX_Q and prefix > 0 else 2
+        return RowKind.DECODE
+    return RowKind.VERIFY if ext <= VERIFY_MAX_Q and prefix > 0 else RowKind.EXTEND
 
 
 def choose_plan(
@@ -125,12 +132,12 @@ def choose_plan(
     # Short rows over one shared prefix (decode and verify rows, a new prompt on a cached
     # prefix) go together: one cascade group reads the prefix once for all their queries.
     short = [b for b in range(B) if ext[b] <= CASCADE_MAX_Q and prefix[b] > 0]
-    if len(short) > 1 and len({_row_kind(ext[b], prefix[b]) for b in short}) > 1:
+    if len(short) > 1 and len({row_kind(ext[b], prefix[b]) for b in short}) > 1:
         cascade = choose(short, cpp and len(short) == B, cascade_only=True)
         if cascade is not None:
             groups.append(cascade)
             rest = [b for b in rest if b not in set(short)]
-    kinds = [_row_kind(ext[b], prefix[b]) for b in rest]
-    by_kind = [rows for k in range(3) if (rows := [b for b, kb in zip(rest, kinds) if kb == k])]
+    kinds = [row_kind(ext[b], prefix[b]) for b in rest]
+    by_kind = [rows for k in RowKind if (rows := [b for b, kb in zip(rest, kinds) if kb == k])]
     alone = len(groups) + len(by_kind) == 1
     return groups + [choose(rows, cpp and alone) for rows in by_kind]
