@@ -33,6 +33,14 @@ def prefill(kv: ReqKVManager, req: Req) -> None:
     req.output_ids.append(7)
 
 
+def cached_prompt(kv: ReqKVManager, prompt: list[int]) -> None:
+    """A request over `prompt` that ran and finished: its KV is left in the cache."""
+    req = make_req(prompt)
+    kv.admit(req)
+    prefill(kv, req)
+    kv.release(req)
+
+
 def decode(kv: ReqKVManager, req: Req, drafts: int = 0, accepted: int = 0) -> None:
     """One decode step: the last token plus `drafts` draft tokens, `accepted` of them kept."""
     req.extend_len = 1 + drafts
@@ -92,10 +100,7 @@ def test_second_request_gets_the_cached_prefix_and_duplicates_are_freed():
 
 def test_match_leaves_a_token_to_compute_and_respects_prompt_logprobs():
     kv = make_kv()
-    a = make_req(list(range(1, 11)))
-    kv.admit(a)
-    prefill(kv, a)
-    kv.release(a)
+    cached_prompt(kv, list(range(1, 11)))
     same = make_req(list(range(1, 11)))
     assert kv.match_len(same) == 9  # the last prompt token is computed again for its logits
     wants = make_req(list(range(1, 11)))
@@ -105,10 +110,7 @@ def test_match_leaves_a_token_to_compute_and_respects_prompt_logprobs():
 
 def test_eviction_makes_room_and_is_counted():
     kv = make_kv()
-    a = make_req(list(range(1, 101)))
-    kv.admit(a)
-    prefill(kv, a)
-    kv.release(a)
+    cached_prompt(kv, list(range(1, 101)))
     assert kv.available() == SLOTS and kv.free_slots() == SLOTS - 100
     slots = kv.alloc(SLOTS - 10)
     # 28 slots were free: at least 90 cached ones had to be evicted.

@@ -8,6 +8,7 @@ each through the same finish checks so a stop in the middle of a run ends the re
 from __future__ import annotations
 
 import time
+from dataclasses import dataclass
 
 import torch
 
@@ -55,22 +56,14 @@ class FinishChecker:
                 req.finish("stop", hit[1])
 
 
+@dataclass
 class OutputProcessor:
-    def __init__(
-        self,
-        kv: ReqKVManager,
-        running: RunningBatch,
-        io: SchedulerIO,
-        finish: FinishChecker,
-        stats: SchedulerStats,
-        drafter: NgramProposer | None,
-    ):
-        self.kv = kv
-        self.running = running
-        self.io = io
-        self.finish = finish
-        self.stats = stats
-        self.drafter = drafter
+    kv: ReqKVManager
+    running: RunningBatch
+    io: SchedulerIO
+    finish: FinishChecker
+    stats: SchedulerStats
+    drafter: NgramProposer | None
 
     def process_prefill(self, reqs: list[Req], result: GenerationResult, info: SamplingBatchInfo, offset: int) -> None:
         """reqs are the step's prefill rows, starting at row `offset`; info holds their rows."""
