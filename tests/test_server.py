@@ -152,6 +152,21 @@ def test_client_disconnect_aborts_stream(server):
     assert load["num_aborted_reqs"] == aborted + 1  # ended by the abort, not by its length
 
 
+def test_non_streaming_generate_disconnect_aborts(server):
+    aborted = httpx.get(server.base_url + "/get_server_info").json()["load"]["num_aborted_reqs"]
+    body = {"text": "Count to a million:", "sampling_params": {"max_new_tokens": 4000, "ignore_eos": True}}
+    with pytest.raises(httpx.ReadTimeout):
+        httpx.post(server.base_url + "/generate", json=body, timeout=1.5)
+    deadline = time.monotonic() + 10
+    while time.monotonic() < deadline:
+        load = httpx.get(server.base_url + "/get_server_info").json()["load"]
+        if load["num_running_reqs"] == 0 and load["kv_used_tokens"] == 0:
+            break
+        time.sleep(0.1)
+    assert load["num_running_reqs"] == 0 and load["kv_used_tokens"] == 0 and load["invariant_ok"]
+    assert load["num_aborted_reqs"] == aborted + 1
+
+
 def test_metrics_endpoint_is_off_by_default(server):
     assert httpx.get(server.base_url + "/metrics", timeout=10).status_code == 404
 

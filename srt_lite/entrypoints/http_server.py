@@ -23,7 +23,7 @@ from starlette.responses import Response, StreamingResponse
 from starlette.routing import Route
 
 from srt_lite.entrypoints.errors import EXCEPTION_HANDLERS, error_response
-from srt_lite.entrypoints.http_io import SSE_DONE, anext_or_none, json_response, read_json, sse
+from srt_lite.entrypoints.http_io import SSE_DONE, anext_or_none, json_response, read_json, sse, until_disconnected
 from srt_lite.entrypoints.openai.serving_chat import OpenAIServingChat, create_chat_completion
 from srt_lite.entrypoints.openai.serving_completions import OpenAIServingCompletion, create_completion
 from srt_lite.entrypoints.openai.serving_models import list_models, retrieve_model
@@ -153,9 +153,13 @@ async def generate(request: Request) -> Response:
         agen = tm.generate(req.input_ids[0], req.params[0], stream=True, rid=req.rids[0], logprobs=logprobs)
         first = await anext_or_none(agen)  # errors surface here, before the 200 is sent
         return StreamingResponse(_sse_cumulative(first, agen), media_type="text/event-stream")
-    rids = req.choice_rids()
-    outs = await tm.generate_all(req.input_ids, req.params, logprobs, rids)
-    return json_response(req.shape(outs))
+
+    async def collect() -> Response:
+        outs = await tm.generate_all(req.input_ids, req.params, logprobs, req.choice_rids())
+        return json_response(req.shape(outs))
+
+    # A client that goes away aborts its requests, as on the OpenAI endpoints.
+    return await until_disconnected(request, collect())
 
 
 async def _sse_cumulative(first: dict | None, agen: AsyncIterator[dict]) -> AsyncIterator[bytes]:
