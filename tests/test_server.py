@@ -135,34 +135,38 @@ def test_abort_request_endpoint(server):
     assert load["kv_used_tokens"] == 0 and load["invariant_ok"]
 
 
+def server_load(server) -> dict:
+    return httpx.get(server.base_url + "/get_server_info").json()["load"]
+
+
+def wait_load_idle(server, timeout: float = 10.0) -> dict:
+    """The load report once no request runs or holds KV (or at the timeout)."""
+    deadline = time.monotonic() + timeout
+    while True:
+        load = server_load(server)
+        if (load["num_running_reqs"] == 0 and load["kv_used_tokens"] == 0) or time.monotonic() > deadline:
+            return load
+        time.sleep(0.1)
+
+
 def test_client_disconnect_aborts_stream(server):
     body = {"text": "Count to a million:", "stream": True, "sampling_params": {"max_new_tokens": 4000, "ignore_eos": True}}
-    aborted = httpx.get(server.base_url + "/get_server_info").json()["load"]["num_aborted_reqs"]
+    aborted = server_load(server)["num_aborted_reqs"]
     with httpx.stream("POST", server.base_url + "/generate", json=body, timeout=60) as r:
         for i, _ in enumerate(r.iter_lines()):
             if i > 6:
                 break
-    deadline = time.monotonic() + 10
-    while time.monotonic() < deadline:
-        load = httpx.get(server.base_url + "/get_server_info").json()["load"]
-        if load["num_running_reqs"] == 0 and load["kv_used_tokens"] == 0:
-            break
-        time.sleep(0.1)
+    load = wait_load_idle(server)
     assert load["num_running_reqs"] == 0 and load["kv_used_tokens"] == 0 and load["invariant_ok"]
     assert load["num_aborted_reqs"] == aborted + 1  # ended by the abort, not by its length
 
 
 def test_non_streaming_generate_disconnect_aborts(server):
-    aborted = httpx.get(server.base_url + "/get_server_info").json()["load"]["num_aborted_reqs"]
+    aborted = server_load(server)["num_aborted_reqs"]
     body = {"text": "Count to a million:", "sampling_params": {"max_new_tokens": 4000, "ignore_eos": True}}
     with pytest.raises(httpx.ReadTimeout):
         httpx.post(server.base_url + "/generate", json=body, timeout=1.5)
-    deadline = time.monotonic() + 10
-    while time.monotonic() < deadline:
-        load = httpx.get(server.base_url + "/get_server_info").json()["load"]
-        if load["num_running_reqs"] == 0 and load["kv_used_tokens"] == 0:
-            break
-        time.sleep(0.1)
+    load = wait_load_idle(server)
     assert load["num_running_reqs"] == 0 and load["kv_used_tokens"] == 0 and load["invariant_ok"]
     assert load["num_aborted_reqs"] == aborted + 1
 
