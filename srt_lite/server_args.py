@@ -20,7 +20,9 @@ def _arg(default: Any, help: str, group: str, choices: list | None = None, **ext
     )
 
 
-GROUP_ORDER = ["Model", "HTTP server", "Memory and scheduling", "Speculative decoding", "Runtime", "Logging"]
+GROUP_ORDER = [
+    "Model", "HTTP server", "Structured outputs", "Memory and scheduling", "Speculative decoding", "Runtime", "Logging"
+]
 
 
 @dataclass
@@ -56,6 +58,14 @@ class ServerArgs:
     )
     reasoning_parser: str | None = _arg(
         None, "Split <think>...</think> into reasoning_content.", "HTTP server", choices=["qwen3", "deepseek-r1"]
+    )
+    # Structured outputs
+    grammar_backend: str = _arg(
+        "xgrammar",
+        "Library that enforces json_schema / regex / ebnf / structural_tag and forced tool calls; "
+        "none turns structured outputs off (such requests get HTTP 400).",
+        "Structured outputs",
+        choices=["xgrammar", "llguidance", "none"],
     )
     max_request_bytes: int = _arg(
         16 * 1024 * 1024, "Largest request body accepted; larger ones get HTTP 413.", "HTTP server"
