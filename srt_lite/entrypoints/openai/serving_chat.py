@@ -62,7 +62,11 @@ class OpenAIServingChat(OpenAIServingBase):
                 return None
             return ReasoningParser(parser_name, force_reasoning=force, stream_reasoning=req.stream_reasoning)
 
-        choices = self.run_choices([input_ids], params, logprobs, rid=req.rid)
+        reasoning = None
+        if parser_name is not None and params.grammar is not None:
+            # The grammar constrains the answer, after the think block (SGLang's rule).
+            reasoning = "forced" if force or parser_name == "deepseek-r1" else "optional"
+        choices = self.run_choices([input_ids], params, logprobs, rid=req.rid, reasoning=reasoning)
         meta_id = random_id("chatcmpl")
         return await self.respond(
             request, req.stream, choices,
