@@ -292,6 +292,19 @@ def test_requests_end_inside_an_accepted_run_as_without_drafts(engine, spec_engi
     assert_idle(spec_engine)
 
 
+def test_constrained_rows_decode_without_drafts_beside_drafting_rows(engine, spec_engine):
+    """A request with a grammar never drafts (NgramProposer.eligible), so its text is the
+    plain engine's; the drafting rows beside it keep drafting and keep their text."""
+    regex = {"max_new_tokens": 40, "temperature": 0, "regex": "(red|green|blue)( (red|green|blue)){5}"}
+    want = [engine.generate(p, q)["output_ids"] for p, q in [(REPETITIVE[1], regex), *((p, GREEDY) for p in REPETITIVE)]]
+    before = spec_engine.get_load()
+    got = spec_engine.generate([REPETITIVE[1], *REPETITIVE], [regex] + [GREEDY] * len(REPETITIVE))
+    assert [o["output_ids"] for o in got] == want
+    assert got[0]["meta_info"]["finish_reason"]["type"] == "stop"
+    assert spec_engine.get_load().spec_verified_rows > before.spec_verified_rows
+    assert_idle(spec_engine)
+
+
 def test_drafting_rows_share_batches_with_sampled_penalized_and_logprob_requests(engine, spec_engine):
     """Rows that cannot draft decode one token as usual next to rows that verify drafts, and
     a prompt-logprobs request can join the batch mid-way (logits for every position)."""
