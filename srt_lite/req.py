@@ -54,6 +54,10 @@ class Req:
     # (a decode row then computes 1 + len(draft_ids) tokens).
     draft_ids: list[int] = field(default_factory=list)
     ngram_index: Any = None  # speculative.ngram.NgramIndex over fill_ids, built on first use
+    # Structured output: the matcher of the request's grammar (constrained.base.GrammarMatcher),
+    # which has accepted every output token; None without a grammar.
+    grammar: Any = None
+    reasoning: str | None = None  # TokenizedGenerateReqInput.reasoning
     # lifecycle
     finished_reason: dict[str, Any] | None = None
     to_abort: bool = False

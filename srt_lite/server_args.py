@@ -20,7 +20,9 @@ def _arg(default: Any, help: str, group: str, choices: list | None = None, **ext
     )
 
 
-GROUP_ORDER = ["Model", "HTTP server", "Memory and scheduling", "Speculative decoding", "Runtime", "Logging"]
+GROUP_ORDER = [
+    "Model", "HTTP server", "Structured outputs", "Memory and scheduling", "Speculative decoding", "Runtime", "Logging"
+]
 
 
 @dataclass
@@ -57,12 +59,20 @@ class ServerArgs:
     reasoning_parser: str | None = _arg(
         None, "Split <think>...</think> into reasoning_content.", "HTTP server", choices=["qwen3", "deepseek-r1"]
     )
+    # Structured outputs
+    grammar_backend: str = _arg(
+        "xgrammar",
+        "Library that enforces json_schema / regex / ebnf / structural_tag and forced tool calls; "
+        "none turns structured outputs off (such requests get HTTP 400).",
+        "Structured outputs",
+        choices=["xgrammar", "llguidance", "none"],
+    )
     tool_call_parser: str | None = _arg(
         None,
         "Format of the tool calls a model writes (tool_choice auto). Default: the chat "
         "template's own format when it has one, else hermes (the format of the tools "
         "preamble given to templates without tool support).",
-        "HTTP server",
+        "Structured outputs",
         choices=["hermes", "qwen25", "llama3", "json_array"],
     )
     max_request_bytes: int = _arg(

@@ -28,6 +28,7 @@ LOWER = (
     "srt_lite.distributed",
     "srt_lite.model_loader",
     "srt_lite.parser",
+    "srt_lite.constrained",
 )
 # Shared vocabulary and settings: import nothing of srt_lite but each other.
 BOTTOM = (

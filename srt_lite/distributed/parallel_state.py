@@ -93,3 +93,12 @@ def broadcast_messages(raw: list[bytes]) -> list[bytes]:
         out.append(data[off : off + length])
         off += length
     return out
+
+
+def tp_min(value: int) -> int:
+    """The smallest of every rank's `value` (the same answer on all ranks)."""
+    if _TP_SIZE == 1:
+        return value
+    t = torch.tensor([value], dtype=torch.int64)
+    dist.all_reduce(t, op=dist.ReduceOp.MIN, group=_CPU_GROUP)
+    return int(t.item())

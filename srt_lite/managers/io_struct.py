@@ -25,6 +25,10 @@ class TokenizedGenerateReqInput:
     logprob_start_len: int = -1  # first prompt position to return a logprob for; -1: none
     top_logprobs_num: int = 0
     token_ids_logprob: list[int] | None = None
+    # With a grammar and a reasoning parser: where the output starts. "forced": inside a
+    # think block the prompt opened; "optional": the model may open one. The grammar starts
+    # after the block. None: no reasoning, the grammar starts at once.
+    reasoning: str | None = None
 
 
 @dataclass

@@ -7,6 +7,7 @@ each through the same finish checks so a stop in the middle of a run ends the re
 
 from __future__ import annotations
 
+import logging
 import time
 from dataclasses import dataclass
 
@@ -22,11 +23,14 @@ from srt_lite.req import Req
 from srt_lite.sampling.sampling_batch_info import SamplingBatchInfo
 from srt_lite.speculative.ngram import NgramProposer
 
+logger = logging.getLogger(__name__)
+
 
 class FinishChecker:
-    """Whether a request's latest token ends it: max tokens, context limit, EOS, stop ids,
-    stop strings. Stop strings need text, so the checker keeps a tokenizer of its own: the
-    scheduler must see a stop string complete to stop generating."""
+    """Whether a request's latest token ends it: a completed grammar, max tokens, context
+    limit, EOS, stop ids, stop strings. Stop strings need text, so the checker keeps a
+    tokenizer of its own: the scheduler must see a stop string complete to stop generating.
+    A request's grammar matcher is advanced here, once per token, so it never falls behind."""
 
     def __init__(self, tokenizer, eos_ids: set[int], context_len: int):
         self.tokenizer = tokenizer
@@ -37,6 +41,14 @@ class FinishChecker:
         p = req.sampling_params
         out = req.output_ids
         tok = out[-1]
+        if req.grammar is not None:
+            if not req.grammar.accept(tok):
+                # Only a token the mask let through can get here, so this is a bug, not the
+                # client's doing; the request ends rather than produce text off its grammar.
+                logger.error("request %s: token %d is outside its grammar", req.rid, tok)
+                return req.finish("abort", message="internal error: the output left its grammar")
+            if req.grammar.is_terminated():
+                return req.finish("stop", tok if tok in self.eos_ids else None)
         if len(out) >= p.max_new_tokens:
             return req.finish("length", length=p.max_new_tokens)
         if req.seq_len >= self.context_len:

@@ -2,6 +2,7 @@
 
 The Scheduler coordinates; each part of the work has its own owner:
     SchedulerIO        messages in (rank 0's sockets, broadcast to the other ranks) and out
+    GrammarManager     requests whose grammar compiles, before they join the waiting queue
     PrefillManager     the waiting queue, admission into prefill steps, retraction
     RunningBatch       the requests that decode every step, with their sampling rows
     OutputProcessor    a step's tokens: append, finish checks, KV moves, outputs
@@ -19,6 +20,8 @@ from typing import Any, Callable
 import torch
 
 from srt_lite import cpu_caps, envs
+from srt_lite.constrained import backend_class
+from srt_lite.constrained.reasoning import ThinkTags
 from srt_lite.distributed.parallel_state import init_distributed
 from srt_lite.managers.io_struct import (
     AbortReq,
@@ -28,6 +31,7 @@ from srt_lite.managers.io_struct import (
     SchedulerReady,
     TokenizedGenerateReqInput,
 )
+from srt_lite.managers.grammar_manager import GrammarManager
 from srt_lite.managers.output_processor import FinishChecker, OutputProcessor
 from srt_lite.managers.prefill_manager import PrefillManager
 from srt_lite.managers.running_batch import RunningBatch
@@ -48,6 +52,9 @@ from srt_lite.utils import configure_logging, init_child_process, resolve_device
 logger = logging.getLogger(__name__)
 
 Step = tuple[ScheduleBatch, torch.Tensor]  # a batch and its KV slots (out_cache_loc)
+
+# How long an otherwise idle loop waits for a compiling grammar before it looks for messages.
+GRAMMAR_POLL_S = 0.005
 
 
 class Scheduler:
@@ -83,6 +90,11 @@ class Scheduler:
         from transformers import AutoTokenizer
 
         tokenizer = AutoTokenizer.from_pretrained(self.model_config.path)
+        grammar_backend = backend_class(args.grammar_backend)
+        self.grammars = GrammarManager(
+            grammar_backend and grammar_backend(tokenizer, self.model_config.vocab_size, self.model_config.eos_token_ids),
+            ThinkTags.from_tokenizer(tokenizer) if args.reasoning_parser else None,
+        )
         finish = FinishChecker(tokenizer, set(self.model_config.eos_token_ids), self.context_len)
         self.outputs = OutputProcessor(self.kv, self.running, self.io, finish, self.stats, self.drafter)
         self.crash_at_step = envs.TEST_CRASH_AT_STEP.get_int()
@@ -124,17 +136,29 @@ class Scheduler:
             self.run_step(*step)
 
     def busy(self) -> bool:
-        return bool(self.prefill.waiting or self.running or self.prefill.chunked_req)
+        return bool(self.prefill.waiting or self.running or self.prefill.chunked_req or self.grammars)
 
     def next_step(self) -> Step | None:
         self.process_aborts()
+        if self.grammars:
+            self.admit_compiled()
         step = self.prefill.schedule(self.running)
         if step is not None:
             self.stats.log_prefill(step[0])
             return step
         if self.running:
             return self.prepare_decode()
+        if self.grammars:
+            self.grammars.wait(GRAMMAR_POLL_S)  # nothing to run until a grammar is ready
         return None
+
+    def admit_compiled(self) -> None:
+        """Requests whose grammar is ready join the waiting queue; failed ones end."""
+        for req in self.grammars.ready():
+            if req.finished:
+                self.io.send_outputs([req])
+            else:
+                self.prefill.add(req)
 
     def run_step(self, batch: ScheduleBatch, out_cache_loc: torch.Tensor) -> None:
         self.stats.forward_steps += 1
@@ -201,12 +225,16 @@ class Scheduler:
         req.logprob_start_len = msg.logprob_start_len
         req.top_logprobs_num = msg.top_logprobs_num
         req.token_ids_logprob = msg.token_ids_logprob
-        self.prefill.add(req)
+        if req.sampling_params.grammar is not None:
+            req.reasoning = msg.reasoning
+            self.grammars.add(req)
+        else:
+            self.prefill.add(req)
 
     def abort(self, msg: AbortReq) -> None:
         """Waiting requests end at once; running ones are marked and end between steps
         (never mid-forward), in process_aborts."""
-        for req in self.prefill.abort_waiting(msg.rid):
+        for req in self.prefill.abort_waiting(msg.rid) + self.grammars.abort(msg.rid):
             req.finish("abort")
             self.stats.aborted_reqs += 1
             self.io.send_outputs([req])

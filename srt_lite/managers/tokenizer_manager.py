@@ -16,6 +16,7 @@ from typing import TYPE_CHECKING, Any, AsyncIterator, Sequence
 import zmq
 import zmq.asyncio
 
+from srt_lite.constrained import GrammarError, backend_class
 from srt_lite.managers import io_struct
 from srt_lite.managers.choices import merge_streams, split_choices
 from srt_lite.managers.io_struct import (
@@ -64,6 +65,8 @@ class TokenizerManager:
         self.context_len = info.max_context_len
         self.tokenizer = AutoTokenizer.from_pretrained(model_dir)
         self.metrics = metrics  # request metrics are recorded only when a collector is given
+        self.grammar_backend = backend_class(server_args.grammar_backend)
+        self._valid_grammars: dict[tuple[str, str], None] = {}  # checked already (bounded)
         self._rid_to_state: dict[str, ReqState] = {}
         self._idle = asyncio.Event()  # set while no request is in flight
         self._idle.set()
@@ -152,6 +155,23 @@ class TokenizerManager:
 
     def validate(self, input_ids: list[int], params: SamplingParams) -> None:
         check_input(input_ids, params, self.context_len, self.info.vocab_size)
+        if params.grammar is not None:
+            self.check_grammar(*params.grammar, field=params.grammar[0])
+
+    def check_grammar(self, kind: str, text: str, field: str) -> None:
+        """Raises RequestError naming `field` unless `text` is a valid grammar of `kind`
+        (json_schema, regex, ebnf, structural_tag) for this server's backend."""
+        if self.grammar_backend is None:
+            raise RequestError(f"{field}: structured outputs are off on this server (--grammar-backend none)")
+        if (kind, text) in self._valid_grammars:
+            return
+        try:
+            self.grammar_backend.check(kind, text)
+        except GrammarError as e:
+            raise RequestError(f"Invalid {field}: {e}") from None
+        if len(self._valid_grammars) >= 1024:
+            self._valid_grammars.clear()
+        self._valid_grammars[(kind, text)] = None
 
     async def generate(
         self,
@@ -161,6 +181,7 @@ class TokenizerManager:
         rid: str | None = None,
         logprobs: LogprobOptions = NO_LOGPROBS,
         internal: bool = False,
+        reasoning: str | None = None,
     ) -> AsyncIterator[dict]:
         """Yields output dicts: for a stream, one per arriving delta (`text` and `output_ids`
         hold the new part only); otherwise one dict with the whole result. Closing the
@@ -172,6 +193,7 @@ class TokenizerManager:
             logprob_start_len=logprobs.logprob_start_len,
             top_logprobs_num=logprobs.top_logprobs_num,
             token_ids_logprob=logprobs.token_ids_logprob,
+            reasoning=reasoning,
         )
         try:
             await self.send_to_scheduler.send(io_struct.encode(msg))
@@ -225,15 +247,16 @@ class TokenizerManager:
         logprobs: LogprobOptions = NO_LOGPROBS,
         rids: Sequence[str | None] | None = None,
         stream: bool = True,
+        reasoning: str | None = None,
     ) -> AsyncIterator[tuple[int, dict]]:
         """The n choices of every prompt (`params[j]` for prompt j) as one stream of (choice
         index, output), choices numbered prompt after prompt (`split_choices`). A prompt with
         n > 1 is prefilled once first, so its choices start from its cached KV. Without
         `stream` each choice yields once, its whole result. Closing this generator early
-        aborts every unfinished choice."""
+        aborts every unfinished choice. `reasoning`: see TokenizedGenerateReqInput."""
         await asyncio.gather(*(self._prefill(ids, p) for ids, p in zip(prompts, params) if p.n > 1))
         gens = [
-            self.generate(c.input_ids, c.params, stream=stream, rid=c.rid, logprobs=logprobs)
+            self.generate(c.input_ids, c.params, stream=stream, rid=c.rid, logprobs=logprobs, reasoning=reasoning)
             for c in split_choices(prompts, params, rids)
         ]
         merged = merge_streams(gens)

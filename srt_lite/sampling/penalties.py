@@ -1,9 +1,11 @@
-"""Logit adjustments applied before temperature: bias, min-token bans and penalties."""
+"""Logit adjustments applied before temperature: bias, min-token bans, penalties, and last
+the grammar masks of constrained rows (so nothing can lift a token the grammar forbids)."""
 
 from __future__ import annotations
 
 import torch
 
+from srt_lite.constrained.base import allocate_bitmask, apply_bitmask
 from srt_lite.sampling.sampling_batch_info import SamplingBatchInfo
 
 
@@ -29,7 +31,21 @@ def apply_logit_adjustments(logits: torch.Tensor, info: SamplingBatchInfo) -> to
                 info.rep_penalties[rows], info.freq_penalties[rows], info.pres_penalties[rows],
             )
             logits[rows] = sub
+    if info.grammars is not None:
+        apply_grammars(logits, info.grammars)
     return logits
+
+
+def apply_grammars(logits: torch.Tensor, grammars: list) -> None:
+    """Forbids, in place, the tokens each constrained row's grammar does not allow next: one
+    bitmask for the batch, filled by each row's matcher on the CPU."""
+    rows = [i for i, g in enumerate(grammars) if g is not None and g.constrains_next()]
+    if not rows:
+        return
+    bitmask = allocate_bitmask(logits.shape[0], logits.shape[1])  # [B, ceil(V / 32)] int32
+    for i in rows:
+        grammars[i].fill_bitmask(bitmask, i)
+    apply_bitmask(logits, bitmask, rows)
 
 
 def apply_penalties(

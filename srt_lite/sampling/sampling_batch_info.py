@@ -45,6 +45,9 @@ class SamplingBatchInfo:
     pres_penalties: torch.Tensor | None = None  # [B, 1] float32
     output_counts: torch.Tensor | None = None  # [B, V] float32, occurrences in the output
     prompt_mask: torch.Tensor | None = None  # [B, V] bool, token appears in the prompt
+    # Structured output: each row's grammar matcher (constrained.base.GrammarMatcher), None
+    # for a free row; the list is None when no row has one. The matchers live on the Reqs.
+    grammars: list | None = None
 
     # ---- construction ------------------------------------------------------------------
 
@@ -67,6 +70,8 @@ class SamplingBatchInfo:
             is_greedy=col(greedy, torch.bool),
             generators=[r.generator for r in reqs],
         )
+        if any(r.grammar is not None for r in reqs):
+            info.grammars = [r.grammar for r in reqs]
         if any(p.logit_bias for p in params):
             info.logit_bias = [
                 ([int(t) for t in p.logit_bias], [float(b) for b in p.logit_bias.values()]) if p.logit_bias else None
@@ -77,7 +82,9 @@ class SamplingBatchInfo:
             info.min_tokens_left = col(left, torch.int64)
             info.min_tokens_ban = torch.zeros(B, V, dtype=torch.bool, device=device)
             for i, p in enumerate(params):
-                if left[i]:
+                # A grammar decides when its text may end: a ban on the stop ids could
+                # leave it no token at all.
+                if left[i] and reqs[i].grammar is None:
                     banned = set(p.stop_token_ids or []) | (set() if p.ignore_eos else eos_ids)
                     info.min_tokens_ban[i, list(banned)] = True
         if any(p.repetition_penalty != 1.0 or p.frequency_penalty or p.presence_penalty for p in params):
@@ -105,7 +112,10 @@ class SamplingBatchInfo:
             active = (self.rep_penalties != 1.0) | (self.freq_penalties != 0) | (self.pres_penalties != 0)
             self.penalized_rows = active.squeeze(1).nonzero().squeeze(1)
         self.needs_adjustment = (
-            self.logit_bias is not None or self.min_tokens_left is not None or self.output_counts is not None
+            self.logit_bias is not None
+            or self.min_tokens_left is not None
+            or self.output_counts is not None
+            or self.grammars is not None
         )
 
     def logit_bias_index(self) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
@@ -146,6 +156,10 @@ class SamplingBatchInfo:
             if t is not None:
                 setattr(self, name, t[idx])
         self.generators = [self.generators[i] for i in keep]
+        if self.grammars is not None:
+            self.grammars = [self.grammars[i] for i in keep]
+            if all(g is None for g in self.grammars):
+                self.grammars = None
         if self.logit_bias is not None:
             self.logit_bias = [self.logit_bias[i] for i in keep]
             if not any(self.logit_bias):
@@ -164,6 +178,9 @@ class SamplingBatchInfo:
             if t is not None:
                 setattr(out, name, t.index_select(0, idx))
         out.generators = [g for g, n in zip(self.generators, counts) for _ in range(n)]
+        if self.grammars is not None:
+            # Only a row's first position may be constrained: constrained rows never draft.
+            out.grammars = [g for g, n in zip(self.grammars, counts) for _ in range(n)]
         if self.logit_bias is not None:
             out.logit_bias = [e for e, n in zip(self.logit_bias, counts) for _ in range(n)]
         out._refresh_flags()
@@ -182,6 +199,8 @@ class SamplingBatchInfo:
                 b = self._neutral(name, a, theirs)
             setattr(self, name, torch.cat([a, b]))
         self.generators = self.generators + other.generators
+        if self.grammars is not None or other.grammars is not None:
+            self.grammars = (self.grammars or [None] * mine) + (other.grammars or [None] * theirs)
         if self.logit_bias is not None or other.logit_bias is not None:
             self.logit_bias = (self.logit_bias or [None] * mine) + (other.logit_bias or [None] * theirs)
         self._refresh_flags()

@@ -2,12 +2,15 @@
 
 from __future__ import annotations
 
+import json
 import math
 from dataclasses import dataclass, fields
 from typing import Any
 
 _GREEDY_EPS = 1e-6
 MAX_N = 128  # completions per request (OpenAI's limit)
+# The grammar fields (SGLang's names); a request may set at most one.
+GRAMMAR_KINDS = ("json_schema", "regex", "ebnf", "structural_tag")
 
 
 @dataclass
@@ -30,6 +33,12 @@ class SamplingParams:
     logit_bias: dict[str, float] | None = None
     seed: int | None = None
     n: int = 1
+    # Structured output: the text the request's output must match, as a JSON schema (JSON
+    # text), a regular expression, an EBNF grammar or an xgrammar structural tag (JSON text).
+    json_schema: str | None = None
+    regex: str | None = None
+    ebnf: str | None = None
+    structural_tag: str | None = None
 
     @classmethod
     def from_dict(cls, d: dict[str, Any] | None) -> "SamplingParams":
@@ -48,6 +57,19 @@ class SamplingParams:
     def normalize(self) -> None:
         if isinstance(self.stop, str):
             self.stop = [self.stop]
+        # A schema or tag given as an object (Engine users write dicts) travels as JSON text.
+        for name in ("json_schema", "structural_tag"):
+            if isinstance(getattr(self, name), dict):
+                setattr(self, name, json.dumps(getattr(self, name)))
+
+    @property
+    def grammar(self) -> tuple[str, str] | None:
+        """(kind, text) of the request's grammar, or None."""
+        for kind in GRAMMAR_KINDS:
+            text = getattr(self, kind)
+            if text is not None:
+                return kind, text
+        return None
 
     @property
     def is_greedy(self) -> bool:
@@ -100,6 +122,21 @@ class SamplingParams:
                 if tid < 0 or (vocab_size is not None and tid >= vocab_size):
                     raise ValueError(f"logit_bias token id {tid} is out of the vocabulary")
                 _num("logit_bias", v, lo=-100.0, hi=100.0)
+        grammars = [k for k in GRAMMAR_KINDS if getattr(self, k) is not None]
+        if len(grammars) > 1:
+            raise ValueError(f"only one of {', '.join(GRAMMAR_KINDS)} may be set, got {', '.join(grammars)}")
+        for kind in grammars:
+            if not isinstance(getattr(self, kind), str):
+                raise ValueError(f"{kind} must be a string")
+        for kind in ("json_schema", "structural_tag"):
+            text = getattr(self, kind)
+            if text is not None:
+                try:
+                    value = json.loads(text)
+                except ValueError as e:
+                    raise ValueError(f"{kind} is not valid JSON: {e}") from None
+                if not isinstance(value, (dict, bool)) or (kind == "structural_tag" and not isinstance(value, dict)):
+                    raise ValueError(f"{kind} must be a JSON object")
 
     def to_dict(self) -> dict[str, Any]:
         return {f.name: getattr(self, f.name) for f in fields(self)}

@@ -182,6 +182,9 @@ class NgramProposer:
             and not p.frequency_penalty
             and not p.presence_penalty
             and not req.return_logprob
+            # Constrained rows do not draft: a draft would need the grammar's verdict
+            # token by token, and greedy JSON rarely repeats the context anyway.
+            and req.grammar is None
             and len(req.output_ids) >= p.min_new_tokens
         )
 

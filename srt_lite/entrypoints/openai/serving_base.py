@@ -92,12 +92,14 @@ class OpenAIServingBase:
         params: SamplingParams,
         logprobs: LogprobOptions,
         rid: str | None = None,
+        reasoning: str | None = None,
     ) -> AsyncIterator[tuple[int, dict]]:
         """The n choices of every prompt as one stream of (choice index, incremental chunk);
         choice j * n + i is sample i of prompt j. A client rid names the only choice, or
-        choice k as rid-k. Closing the stream early (client gone) aborts every choice."""
+        choice k as rid-k. Closing the stream early (client gone) aborts every choice.
+        `reasoning`: where a grammar starts (TokenizedGenerateReqInput.reasoning)."""
         rids = numbered_rids(rid, len(prompts) * params.n)
-        return self.tm.generate_choices(prompts, [params] * len(prompts), logprobs, rids, stream=True)
+        return self.tm.generate_choices(prompts, [params] * len(prompts), logprobs, rids, stream=True, reasoning=reasoning)
 
 
 def finish_reason(meta: dict) -> tuple[str | None, Any]:

@@ -70,8 +70,7 @@ class OpenAIServingChat(OpenAIServingBase):
         params = self.sampling_params(req, max_tokens, len(input_ids), grammar)
         self.tm.validate(input_ids, params)
         logprobs = LogprobOptions(return_logprob=req.logprobs, top_logprobs_num=req.top_logprobs or 0)
-        # A grammar constrains the output from its first token, so it holds no think block.
-        reasoning_parser = self.state.reasoning_parser if req.separate_reasoning and grammar is None else None
+        reasoning_parser = self.state.reasoning_parser if req.separate_reasoning else None
         force = prompt_opens_reasoning(prompt_text)
         tool_format = tools.parser_format(self.tool_format)
 
@@ -81,7 +80,11 @@ class OpenAIServingChat(OpenAIServingBase):
                 reasoning = ReasoningParser(reasoning_parser, force_reasoning=force, stream_reasoning=req.stream_reasoning)
             return ChoiceOutput(reasoning, tool_format, tools.names, tools.named)
 
-        choices = self.run_choices([input_ids], params, logprobs, rid=req.rid)
+        grammar_after = None
+        if reasoning_parser is not None and grammar is not None:
+            # The grammar constrains the answer, after the think block (SGLang's rule).
+            grammar_after = "forced" if force or reasoning_parser == "deepseek-r1" else "optional"
+        choices = self.run_choices([input_ids], params, logprobs, rid=req.rid, reasoning=grammar_after)
         meta_id = random_id("chatcmpl")
         return await self.respond(
             request, req.stream, choices,

@@ -1,0 +1,96 @@
+"""The xgrammar backend (SGLang's default)."""
+
+from __future__ import annotations
+
+from typing import Any
+
+import orjson
+import torch
+
+from srt_lite.constrained.base import GrammarBackend, GrammarError, GrammarMatcher, clean_error
+
+# JSON is generated compactly but readably (", " and ": " between items, no newlines):
+# allowing any whitespace lets small models loop on newlines until max_tokens, which is
+# why vLLM grew a flag to turn it off.
+_JSON_OPTIONS = {"any_whitespace": False, "strict_mode": True}
+
+
+class XGrammarMatcher(GrammarMatcher):
+    def __init__(self, matcher: Any):
+        self.matcher = matcher
+
+    def accept(self, token: int) -> bool:
+        return self.matcher.accept_token(token)
+
+    def fill_bitmask(self, bitmask: torch.Tensor, row: int) -> None:
+        self.matcher.fill_next_token_bitmask(bitmask, row)
+
+    def is_terminated(self) -> bool:
+        return self.matcher.is_terminated()
+
+
+class XGrammarBackend(GrammarBackend):
+    name = "xgrammar"
+
+    def __init__(self, tokenizer: Any, vocab_size: int, stop_token_ids: list[int]):
+        import xgrammar as xgr
+
+        self.xgr = xgr
+        # vocab_size is the model's (logits') width, which may pad the tokenizer's: the
+        # padding ids are never allowed.
+        info = xgr.TokenizerInfo.from_huggingface(tokenizer, vocab_size=vocab_size, stop_token_ids=stop_token_ids)
+        # One thread per compile: compiles already run beside the scheduler on its pool.
+        self.compiler = xgr.GrammarCompiler(info, max_threads=1)
+
+    @staticmethod
+    def check(kind: str, text: str) -> None:
+        import xgrammar as xgr
+
+        try:
+            if kind == "json_schema":
+                xgr.Grammar.from_json_schema(text, **_JSON_OPTIONS)
+            elif kind == "regex":
+                xgr.Grammar.from_regex(text)
+            elif kind == "ebnf":
+                xgr.Grammar.from_ebnf(text)
+            elif kind == "structural_tag":
+                xgr.Grammar.from_structural_tag(*_structural_tag_args(text))
+            else:
+                raise GrammarError(f"unknown grammar kind {kind!r}")
+        except GrammarError:
+            raise
+        except Exception as e:  # noqa: BLE001 - the library's errors for bad input vary in type
+            raise GrammarError(clean_error(e)) from None
+
+    def compile(self, kind: str, text: str) -> Any:
+        try:
+            if kind == "json_schema":
+                return self.compiler.compile_json_schema(text, **_JSON_OPTIONS)
+            if kind == "regex":
+                return self.compiler.compile_regex(text)
+            if kind == "ebnf":
+                return self.compiler.compile_grammar(text)
+            if kind == "structural_tag":
+                return self.compiler.compile_structural_tag(*_structural_tag_args(text))
+        except Exception as e:  # noqa: BLE001 - the library's errors for bad input vary in type
+            raise GrammarError(clean_error(e)) from None
+        raise GrammarError(f"unknown grammar kind {kind!r}")
+
+    def matcher(self, compiled: Any) -> GrammarMatcher:
+        return XGrammarMatcher(self.xgr.GrammarMatcher(compiled))
+
+
+def _structural_tag_args(text: str) -> tuple:
+    """xgrammar's arguments for a structural tag: its current format (JSON with a "format")
+    as is, or SGLang's older one ({"structures": [{"begin", "schema", "end"}], "triggers"})
+    as tag items and triggers."""
+    import xgrammar as xgr
+
+    tag = orjson.loads(text)
+    if isinstance(tag, dict) and "structures" in tag:
+        items = [
+            xgr.StructuralTagItem(begin=s["begin"], schema=orjson.dumps(s.get("schema", {})).decode(), end=s["end"])
+            for s in tag["structures"]
+        ]
+        return items, list(tag.get("triggers", []))
+    return (text,)
