@@ -66,7 +66,8 @@ class GrammarManager:
         for req, future in self.queue[:done]:
             kind = req.sampling_params.grammar[0]
             try:
-                req.grammar = self.backend.matcher(future.result())
+                compiled = future.result()
+                req.grammar = self.backend.matcher(compiled)
             except GrammarError as e:
                 req.finish("abort", message=f"Invalid {kind}: {e}")
             except Exception as e:  # noqa: BLE001 - a compiler crash fails this request only
