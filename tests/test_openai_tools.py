@@ -12,6 +12,9 @@ import jsonschema
 import pytest
 
 from openai_helpers import MODEL, assert_kv_idle, client_for, default_server, post_error
+from server_utils import ServerProcess
+from tool_call_model import FINAL_REPLY, TOOL_CALL_REPLY, after_tool_messages, make_tool_call_model, question_messages
+from tool_call_model import TOOLS as TINY_TOOLS
 
 WEATHER_PARAMS = {
     "type": "object",
@@ -40,9 +43,24 @@ def client(server):
 
 
 @pytest.fixture(autouse=True)
-def kv_idle_after(server):
+def kv_idle_after(request):
     yield
-    assert_kv_idle(server)
+    for name in ("server", "tiny_server"):
+        if name in request.fixturenames:
+            assert_kv_idle(request.getfixturevalue(name))
+
+
+@pytest.fixture(scope="module")
+def tiny_server(tmp_path_factory):
+    """A tiny model trained to call get_weather (tool_call_model.py), whose template renders
+    tools itself (the native path, parsed as hermes). The reasoning parser is on, to show that
+    calls are still read from the content of an answer without a think block."""
+    path = make_tool_call_model(str(tmp_path_factory.mktemp("tool_model")))
+    with ServerProcess(
+        "--model-path", path, "--dtype", "float32", "--max-total-tokens", "2048", "--served-model-name", "tiny",
+        "--reasoning-parser", "qwen3",
+    ) as s:
+        yield s
 
 
 def check_calls(message, finish_reason: str) -> list:
@@ -139,6 +157,29 @@ def test_tool_result_turn_and_auto(client):
 def test_invalid_tools_are_400_naming_the_field(server, body, named):
     err = post_error(server, "/v1/chat/completions", {"messages": ASK, **body})
     assert named in err["message"] or err["param"] == named, err
+
+
+def test_auto_parses_the_models_own_calls(tiny_server):
+    """tool_choice auto: the model writes a <tool_call>, the response carries it as
+    tool_calls (streamed the same, per choice with n=2); its result sent back gives the
+    model's final answer as content."""
+    client = client_for(tiny_server)
+    kwargs = dict(model="tiny", messages=question_messages(), tools=TINY_TOOLS, temperature=0, max_tokens=40)
+    r = client.chat.completions.create(**kwargs, n=2)
+    expected = json.loads(TOOL_CALL_REPLY.split("\n")[1])
+    for choice in r.choices:
+        assert choice.finish_reason == "tool_calls" and choice.message.content is None
+        (call,) = choice.message.tool_calls
+        assert call.function.name == expected["name"] and json.loads(call.function.arguments) == expected["arguments"]
+    assert r.choices[0].message.tool_calls[0].id != r.choices[1].message.tool_calls[0].id
+    streamed, finish = stream_calls(client, **kwargs)
+    assert finish == "tool_calls"
+    assert [(c["name"], c["arguments"]) for c in streamed.values()] == [
+        (call.function.name, call.function.arguments) for call in r.choices[0].message.tool_calls
+    ]
+    final = client.chat.completions.create(**{**kwargs, "messages": after_tool_messages()})
+    assert final.choices[0].message.content == FINAL_REPLY and final.choices[0].message.tool_calls is None
+    assert final.choices[0].finish_reason == "stop"
 
 
 def test_langchain_bind_tools(server):

@@ -124,6 +124,17 @@ def test_tool_errors_name_the_field(fields, named):
     assert named in error(plan_tools, chat(**fields))
 
 
+def test_tool_call_parser_flag_offers_every_format():
+    """server_args sits below the parser layer, so it lists the formats itself."""
+    import dataclasses
+
+    from srt_lite.parser.tool_call_parser import SUPPORTED_FORMATS
+    from srt_lite.server_args import ServerArgs
+
+    flag = next(f for f in dataclasses.fields(ServerArgs) if f.name == "tool_call_parser")
+    assert tuple(flag.metadata["choices"]) == SUPPORTED_FORMATS
+
+
 def test_tool_call_ids():
     ids = {new_tool_call_id() for _ in range(100)}
     assert len(ids) == 100
