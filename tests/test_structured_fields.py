@@ -51,6 +51,25 @@ def test_response_format_mapping():
     assert g.sampling_param() == {"json_schema": g.text}
 
 
+@pytest.mark.parametrize(
+    "tag",
+    [
+        {"structures": [{"begin": "<f>", "schema": {"type": "object"}, "end": "</f>"}], "triggers": ["<f>"]},
+        {"format": {"type": "triggered_tags", "triggers": ["<f>"], "tags": [
+            {"begin": "<f>", "content": {"type": "json_schema", "json_schema": {"type": "object"}}, "end": "</f>"}]}},
+    ],
+)
+def test_structural_tag_passes_on_whole(tag):
+    """SGLang's structural_tag response format, in its old and its current form, reaches the
+    backend as the whole object, which the backend accepts."""
+    from srt_lite.constrained.xgrammar_backend import XGrammarBackend
+
+    g = request_grammar(chat(response_format={"type": "structural_tag", **tag}))
+    assert g.kind == "structural_tag" and json.loads(g.text) == {"type": "structural_tag", **tag}
+    XGrammarBackend.check(g.kind, g.text)
+    assert "structures" in error(request_grammar, chat(response_format={"type": "structural_tag"}))
+
+
 def test_response_format_errors_name_the_field():
     msg = error(request_grammar, chat(response_format={"type": "json_schema", "json_schema": {"name": "x"}}))
     assert "response_format.json_schema.schema" in msg

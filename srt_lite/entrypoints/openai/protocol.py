@@ -35,9 +35,15 @@ class JsonSchemaFormat(BaseModel):
 
 
 class ResponseFormat(BaseModel):
+    """`response_format`. "structural_tag" is SGLang's: `structures` + `triggers` (its first
+    form) or `format` (xgrammar's current one), passed on as the whole object."""
+
     model_config = ConfigDict(extra="ignore")
-    type: Literal["text", "json_object", "json_schema"]
+    type: Literal["text", "json_object", "json_schema", "structural_tag"]
     json_schema: JsonSchemaFormat | None = None
+    structures: list[dict[str, Any]] | None = None
+    triggers: list[str] | None = None
+    format: dict[str, Any] | None = None
 
 
 class FunctionDefinition(BaseModel):

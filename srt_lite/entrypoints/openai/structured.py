@@ -1,10 +1,10 @@
 """Structured outputs: a request's grammar fields -> the one grammar its output must follow.
 
-A request may constrain its output in one way only: `response_format` (json_object or
-json_schema), or one of SGLang's extras `json_schema` (schema text), `regex`, `ebnf`, or a
-forced tool call (tool_choice "required" or a named function, see tools.py). The grammar
-goes to the scheduler as the SamplingParams key of the same name (`json_schema`, `regex`,
-`ebnf`); xgrammar enforces it there. Every conflict and every invalid grammar is a 400
+A request may constrain its output in one way only: `response_format` (json_object,
+json_schema or SGLang's structural_tag), or one of SGLang's extras `json_schema` (schema
+text), `regex`, `ebnf`, or a forced tool call (tool_choice "required" or a named function,
+see tools.py). The grammar goes to the scheduler as the SamplingParams key of its kind
+(`json_schema`, `regex`, `ebnf`, `structural_tag`); the grammar backend enforces it there. Every conflict and every invalid grammar is a 400
 whose message names the request field, so a client can tell which part to fix.
 """
 
@@ -32,7 +32,7 @@ class Grammar:
     """One output constraint: `kind` is its SamplingParams key, `text` its source, and
     `field` the request field it came from (named by every error about it)."""
 
-    kind: str  # "json_schema" | "regex" | "ebnf"
+    kind: str  # "json_schema" | "regex" | "ebnf" | "structural_tag"
     text: str
     field: str
 
@@ -46,6 +46,10 @@ def response_format_grammar(fmt: ResponseFormat | None) -> Grammar | None:
         return None
     if fmt.type == "json_object":
         return Grammar("json_schema", json.dumps(JSON_OBJECT_SCHEMA), "response_format")
+    if fmt.type == "structural_tag":
+        if fmt.format is None and fmt.structures is None:
+            raise RequestError('response_format of type "structural_tag" needs "format" or "structures" and "triggers"')
+        return Grammar("structural_tag", json.dumps(fmt.model_dump(exclude_none=True, exclude={"json_schema"})), "response_format")
     spec = fmt.json_schema
     if spec is None:
         raise RequestError('response_format.json_schema is required when response_format.type is "json_schema"')
