@@ -67,6 +67,14 @@ class ServerArgs:
         "Structured outputs",
         choices=["xgrammar", "llguidance", "none"],
     )
+    tool_call_parser: str | None = _arg(
+        None,
+        "Format of the tool calls a model writes (tool_choice auto). Default: the chat "
+        "template's own format when it has one, else hermes (the format of the tools "
+        "preamble given to templates without tool support).",
+        "Structured outputs",
+        choices=["hermes", "qwen25", "llama3", "json_array"],
+    )
     max_request_bytes: int = _arg(
         16 * 1024 * 1024, "Largest request body accepted; larger ones get HTTP 413.", "HTTP server"
     )

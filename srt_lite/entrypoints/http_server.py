@@ -55,6 +55,7 @@ class ServerState:
         self.model_names = {served_model_name, model_dir} | ({args.model_path} if args.model_path else set())
         self.generation_defaults = generation_defaults or {}
         self.reasoning_parser = args.reasoning_parser
+        self.tool_call_parser = args.tool_call_parser
         self.enable_cache_report = args.enable_cache_report
         self.api_key = args.api_key
         self.max_request_bytes = args.max_request_bytes

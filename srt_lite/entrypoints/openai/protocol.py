@@ -23,6 +23,59 @@ class StreamOptions(BaseModel):
     continuous_usage_stats: bool = False
 
 
+class JsonSchemaFormat(BaseModel):
+    """`response_format.json_schema`. `schema` is stored as `schema_` because pydantic's
+    BaseModel already has a `schema` attribute."""
+
+    model_config = ConfigDict(extra="ignore", populate_by_name=True)
+    name: str
+    description: str | None = None
+    schema_: dict[str, Any] | None = Field(default=None, alias="schema")
+    strict: bool | None = None
+
+
+class ResponseFormat(BaseModel):
+    """`response_format`. "structural_tag" is SGLang's: `structures` + `triggers` (its first
+    form) or `format` (xgrammar's current one), passed on as the whole object."""
+
+    model_config = ConfigDict(extra="ignore")
+    type: Literal["text", "json_object", "json_schema", "structural_tag"]
+    json_schema: JsonSchemaFormat | None = None
+    structures: list[dict[str, Any]] | None = None
+    triggers: list[str] | None = None
+    format: dict[str, Any] | None = None
+
+
+class FunctionDefinition(BaseModel):
+    model_config = ConfigDict(extra="ignore")
+    name: str
+    description: str | None = None
+    parameters: dict[str, Any] | None = None
+    strict: bool | None = None
+
+
+class Tool(BaseModel):
+    """A `tools` entry. `type` is any string here so that tools.py can answer a non-function
+    tool with a message naming `tools[i].type`; `function` is checked there too."""
+
+    model_config = ConfigDict(extra="ignore")
+    type: str
+    function: FunctionDefinition | None = None
+
+
+class NamedFunction(BaseModel):
+    model_config = ConfigDict(extra="ignore")
+    name: str
+
+
+class NamedToolChoice(BaseModel):
+    """`tool_choice: {"type": "function", "function": {"name": ...}}`."""
+
+    model_config = ConfigDict(extra="ignore")
+    type: Literal["function"] = "function"
+    function: NamedFunction
+
+
 class _SamplingFields(BaseModel):
     """Fields shared by chat and completions requests. None means "not set": the model's
     generation_config, then the OpenAI default, applies."""
@@ -53,6 +106,11 @@ class _SamplingFields(BaseModel):
     spaces_between_special_tokens: bool = True
     no_stop_trim: bool = False
     rid: str | None = None
+    # SGLang's grammar extras (at most one per request; see structured.py)
+    json_schema: str | None = None  # the schema as JSON text
+    regex: str | None = None
+    ebnf: str | None = None
+    response_format: ResponseFormat | None = None
 
     @field_validator("stop")
     @classmethod
@@ -95,6 +153,9 @@ class ChatCompletionRequest(_SamplingFields):
     stream_reasoning: bool = True
     continue_final_message: bool = False
     add_generation_prompt: bool = True
+    tools: list[Tool] | None = None
+    tool_choice: Union[Literal["none", "auto", "required"], NamedToolChoice, None] = None
+    parallel_tool_calls: bool = True
 
     @model_validator(mode="after")
     def _check(self):

@@ -11,6 +11,7 @@ from starlette.responses import Response, StreamingResponse
 from srt_lite.entrypoints.http_io import anext_or_none, until_disconnected
 from srt_lite.entrypoints.openai.protocol import UsageInfo, _SamplingFields
 from srt_lite.entrypoints.openai.serving_models import check_model
+from srt_lite.entrypoints.openai.structured import Grammar
 from srt_lite.managers.choices import numbered_rids
 from srt_lite.managers.tokenizer_manager import TokenizerManager
 from srt_lite.managers.validation import LogprobOptions
@@ -34,9 +35,12 @@ class OpenAIServingBase:
         if model is not None:
             check_model(self.state, model)
 
-    def sampling_params(self, req: _SamplingFields, max_tokens: int | None, prompt_len: int) -> SamplingParams:
+    def sampling_params(
+        self, req: _SamplingFields, max_tokens: int | None, prompt_len: int, grammar: Grammar | None = None
+    ) -> SamplingParams:
         """OpenAI fields -> SamplingParams. Unset fields: generation_config, then OpenAI's
-        defaults. An unset max_tokens means "up to the context length"."""
+        defaults. An unset max_tokens means "up to the context length". The grammar (see
+        structured.py) becomes its own key (`json_schema`, `regex` or `ebnf`)."""
 
         def pick(name: str, value: Any) -> Any:
             return value if value is not None else self.defaults.get(name)
@@ -63,6 +67,8 @@ class OpenAIServingBase:
             "seed": req.seed,
             "n": req.n,
         }
+        if grammar is not None:
+            d.update(grammar.sampling_param())
         return self.tm.make_sampling_params(d)
 
     async def respond(

@@ -2,13 +2,14 @@
 
 from __future__ import annotations
 
-from typing import Any, AsyncIterator
+from typing import TYPE_CHECKING, Any, AsyncIterator, Callable
 
 from starlette.requests import Request
 from starlette.responses import Response
 
 from srt_lite.entrypoints.errors import stream_error
 from srt_lite.entrypoints.http_io import SSE_DONE, anext_or_none, json_response, read_json, sse
+from srt_lite.entrypoints.openai.chat_output import ChoiceOutput
 from srt_lite.entrypoints.openai.protocol import ChatCompletionRequest, now, random_id
 from srt_lite.entrypoints.openai.serving_base import (
     OpenAIServingBase,
@@ -17,8 +18,15 @@ from srt_lite.entrypoints.openai.serving_base import (
     token_text,
     usage,
 )
+from srt_lite.entrypoints.openai.structured import check_grammar, request_grammar
+from srt_lite.entrypoints.openai.tool_prompt import render_inputs, template_source, template_supports_tools
+from srt_lite.entrypoints.openai.tools import ToolPlan, plan_tools
 from srt_lite.managers.validation import LogprobOptions, RequestError
 from srt_lite.parser.reasoning_parser import ReasoningParser, prompt_opens_reasoning
+from srt_lite.parser.tool_call_parser import detect_tool_call_format
+
+if TYPE_CHECKING:
+    from srt_lite.entrypoints.http_server import ServerState
 
 
 async def create_chat_completion(request: Request) -> Response:
@@ -28,12 +36,17 @@ async def create_chat_completion(request: Request) -> Response:
 
 
 class OpenAIServingChat(OpenAIServingBase):
-    def build_prompt(self, req: ChatCompletionRequest) -> tuple[str, list[int]]:
-        try:
-            messages = [{"role": m.role, "content": m.text()} for m in req.messages]
-        except ValueError as e:
-            raise RequestError(str(e)) from None
-        kwargs: dict[str, Any] = dict(req.chat_template_kwargs or {})
+    def __init__(self, state: "ServerState"):
+        super().__init__(state)
+        source = template_source(self.tm.tokenizer, state.chat_template)
+        self.native_tools = template_supports_tools(source)
+        # The parser of tool_choice "auto": the flag, else the template's own format, else
+        # Hermes (the format the preamble asks for).
+        self.tool_format = state.tool_call_parser or detect_tool_call_format(source) or "hermes"
+
+    def build_prompt(self, req: ChatCompletionRequest, tools: ToolPlan) -> tuple[str, list[int]]:
+        messages, kwargs = render_inputs(req.messages, tools, self.native_tools)
+        kwargs.update(req.chat_template_kwargs or {})
         if req.continue_final_message:
             kwargs.update(add_generation_prompt=False, continue_final_message=True)
         else:
@@ -49,34 +62,42 @@ class OpenAIServingChat(OpenAIServingBase):
     async def create(self, request: Request, body: Any) -> Response:
         req = ChatCompletionRequest.model_validate(body)
         self.check_model(req.model)
-        prompt_text, input_ids = self.build_prompt(req)
+        tools = plan_tools(req)
+        grammar = request_grammar(req, tools.grammar())
+        check_grammar(self.tm, grammar)
+        prompt_text, input_ids = self.build_prompt(req, tools)
         max_tokens = req.max_completion_tokens if req.max_completion_tokens is not None else req.max_tokens
-        params = self.sampling_params(req, max_tokens, len(input_ids))
+        params = self.sampling_params(req, max_tokens, len(input_ids), grammar)
         self.tm.validate(input_ids, params)
         logprobs = LogprobOptions(return_logprob=req.logprobs, top_logprobs_num=req.top_logprobs or 0)
-        parser_name = self.state.reasoning_parser if req.separate_reasoning else None
+        reasoning_parser = self.state.reasoning_parser if req.separate_reasoning else None
         force = prompt_opens_reasoning(prompt_text)
+        tool_format = tools.parser_format(self.tool_format)
 
-        def new_parser() -> ReasoningParser | None:
-            if parser_name is None:
-                return None
-            return ReasoningParser(parser_name, force_reasoning=force, stream_reasoning=req.stream_reasoning)
+        def new_output() -> ChoiceOutput:
+            reasoning = None
+            if reasoning_parser is not None:
+                reasoning = ReasoningParser(reasoning_parser, force_reasoning=force, stream_reasoning=req.stream_reasoning)
+            return ChoiceOutput(reasoning, tool_format, tools.names, tools.named)
 
-        reasoning = None
-        if parser_name is not None and params.grammar is not None:
+        grammar_after = None
+        if reasoning_parser is not None and grammar is not None:
             # The grammar constrains the answer, after the think block (SGLang's rule).
-            reasoning = "forced" if force or parser_name == "deepseek-r1" else "optional"
-        choices = self.run_choices([input_ids], params, logprobs, rid=req.rid, reasoning=reasoning)
+            grammar_after = "forced" if force or reasoning_parser == "deepseek-r1" else "optional"
+        choices = self.run_choices([input_ids], params, logprobs, rid=req.rid, reasoning=grammar_after)
         meta_id = random_id("chatcmpl")
         return await self.respond(
             request, req.stream, choices,
-            lambda first: self.stream(req, meta_id, first, choices, new_parser),
-            lambda: self.collect(req, meta_id, choices, new_parser),
+            lambda first: self.stream(req, meta_id, first, choices, new_output),
+            lambda: self.collect(req, meta_id, choices, new_output, reasoning_parser is not None),
         )
 
     # ---- non-streaming -------------------------------------------------------------------
 
-    async def collect(self, req: ChatCompletionRequest, meta_id: str, choices: AsyncIterator, new_parser) -> Response:
+    async def collect(
+        self, req: ChatCompletionRequest, meta_id: str, choices: AsyncIterator, new_output: Callable[[], ChoiceOutput],
+        count_reasoning: bool,
+    ) -> Response:
         texts: dict[int, str] = {}
         lps: dict[int, list] = {}
         metas: dict[int, dict] = {}
@@ -92,17 +113,19 @@ class OpenAIServingChat(OpenAIServingBase):
             err = abort_error(meta)
             if err:
                 raise RequestError(err)
-            reasoning, content = None, texts[idx]
-            parser = new_parser()
-            if parser is not None:
-                reasoning, content = parser.parse_non_stream(texts[idx])
-                if reasoning:
-                    reasoning_tokens += len(self.tm.tokenizer.encode(reasoning, add_special_tokens=False))
+            msg = new_output().parse(texts[idx])
+            if msg.reasoning:
+                reasoning_tokens += len(self.tm.tokenizer.encode(msg.reasoning, add_special_tokens=False))
             reason, matched = finish_reason(meta)
+            if msg.tool_calls and reason == "stop":
+                reason = "tool_calls"
             out_choices.append(
                 {
                     "index": idx,
-                    "message": {"role": "assistant", "content": content, "reasoning_content": reasoning, "tool_calls": None},
+                    "message": {
+                        "role": "assistant", "content": msg.content, "reasoning_content": msg.reasoning,
+                        "tool_calls": msg.tool_calls,
+                    },
                     "logprobs": {"content": lps[idx]} if req.logprobs else None,
                     "finish_reason": reason,
                     "matched_stop": matched,
@@ -117,16 +140,18 @@ class OpenAIServingChat(OpenAIServingBase):
             "created": now(),
             "model": self.state.served_model_name,
             "choices": out_choices,
-            "usage": usage(prompt_tokens, completion_tokens, self.cached(cached), reasoning_tokens if new_parser() else None),
+            "usage": usage(prompt_tokens, completion_tokens, self.cached(cached), reasoning_tokens if count_reasoning else None),
         }
         return json_response(body)
 
     # ---- streaming -----------------------------------------------------------------------
 
-    async def stream(self, req: ChatCompletionRequest, meta_id: str, first, choices: AsyncIterator, new_parser) -> AsyncIterator[bytes]:
+    async def stream(
+        self, req: ChatCompletionRequest, meta_id: str, first, choices: AsyncIterator, new_output: Callable[[], ChoiceOutput]
+    ) -> AsyncIterator[bytes]:
         created = now()
         model = self.state.served_model_name
-        parsers: dict[int, ReasoningParser | None] = {}
+        outputs: dict[int, ChoiceOutput] = {}
         completion: dict[int, int] = {}
         prompt_tokens = cached = 0
         include_usage = bool(req.stream_options and req.stream_options.include_usage)
@@ -159,16 +184,20 @@ class OpenAIServingChat(OpenAIServingBase):
                     break
                 prompt_tokens, cached = meta["prompt_tokens"], max(cached, meta["cached_tokens"])
                 completion[idx] = meta["completion_tokens"]
-                if idx not in parsers:
-                    parsers[idx] = new_parser()
+                if idx not in outputs:
+                    outputs[idx] = new_output()
+                out = outputs[idx]
                 reason, matched = finish_reason(meta)
-                delta = stream_delta(parsers[idx], chunk["text"], final=reason is not None)
+                deltas = out.feed(chunk["text"], final=reason is not None)
                 lp = self.logprob_items(meta) if req.logprobs else []
-                if delta or lp:
-                    yield event(
-                        {"index": idx, "delta": delta, "logprobs": {"content": lp} if req.logprobs else None, "finish_reason": None},
-                        running_usage(),
-                    )
+                if lp and not deltas:
+                    deltas = [{}]
+                for k, delta in enumerate(deltas):
+                    # The chunk's logprobs ride on its first delta.
+                    lps = ({"content": lp} if k == 0 else {"content": []}) if req.logprobs else None
+                    yield event({"index": idx, "delta": delta, "logprobs": lps, "finish_reason": None}, running_usage())
+                if reason == "stop" and out.made_calls:
+                    reason = "tool_calls"
                 if reason is not None:
                     yield event(
                         {"index": idx, "delta": {}, "logprobs": None, "finish_reason": reason, "matched_stop": matched},
@@ -199,20 +228,3 @@ class OpenAIServingChat(OpenAIServingBase):
             ]
             items.append({"token": text, "logprob": lp, "bytes": list(text.encode()), "top_logprobs": top})
         return items
-
-
-def stream_delta(parser: ReasoningParser | None, text: str, final: bool) -> dict[str, str]:
-    """A chunk's new text as a chat delta: `content`, and `reasoning_content` with a
-    reasoning parser (flushed at the choice's last chunk); empty parts are left out."""
-    reasoning, content = "", text
-    if parser is not None:
-        reasoning, content = parser.parse_stream_chunk(text)
-        if final:
-            r2, c2 = parser.flush()
-            reasoning, content = reasoning + r2, content + c2
-    delta = {}
-    if reasoning:
-        delta["reasoning_content"] = reasoning
-    if content:
-        delta["content"] = content
-    return delta

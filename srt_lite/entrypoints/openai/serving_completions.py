@@ -17,6 +17,7 @@ from srt_lite.entrypoints.openai.serving_base import (
     token_text,
     usage,
 )
+from srt_lite.entrypoints.openai.structured import check_grammar, request_grammar
 from srt_lite.managers.validation import LogprobOptions, RequestError
 
 
@@ -44,9 +45,11 @@ class OpenAIServingCompletion(OpenAIServingBase):
         self.check_model(req.model)
         if req.suffix:
             raise RequestError("suffix is not supported")
+        grammar = request_grammar(req)
+        check_grammar(self.tm, grammar)
         prompts = self.prompts(req)
         # One set of parameters for every prompt; an unset max_tokens fits the longest one.
-        params = self.sampling_params(req, req.max_tokens, max(len(ids) for ids in prompts))
+        params = self.sampling_params(req, req.max_tokens, max(len(ids) for ids in prompts), grammar)
         for ids in prompts:
             self.tm.validate(ids, params)
         want_lp = req.logprobs is not None
