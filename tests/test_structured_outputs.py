@@ -126,3 +126,24 @@ def test_langchain_structured_output(server):
     llm = ChatOpenAI(base_url=server.base_url + "/v1", api_key="x", model=MODEL, temperature=0, max_tokens=80, max_retries=0)
     person = llm.with_structured_output(Person, method="json_schema").invoke("Describe a person with a name and an age.")
     assert isinstance(person, Person)
+
+
+def test_concurrent_half_constrained_requests_leave_the_free_ones_unchanged(client):
+    """8 requests at once, every other one with a schema: the free ones' greedy text equals
+    their text alone, and every constrained one validates."""
+    from concurrent.futures import ThreadPoolExecutor
+
+    questions = [f"Tell me one fact about the number {i}." for i in range(8)]
+
+    def ask(i: int) -> str:
+        kwargs = dict(model=MODEL, messages=[{"role": "user", "content": questions[i]}], temperature=0, max_tokens=40)
+        if i % 2:
+            kwargs["response_format"] = PERSON_FORMAT
+        return client.chat.completions.create(**kwargs).choices[0].message.content
+
+    alone = {i: ask(i) for i in range(0, 8, 2)}
+    with ThreadPoolExecutor(8) as pool:
+        together = list(pool.map(ask, range(8)))
+    assert {i: together[i] for i in range(0, 8, 2)} == alone
+    for i in range(1, 8, 2):
+        jsonschema.validate(json.loads(together[i]), PERSON)
