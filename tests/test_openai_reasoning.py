@@ -96,3 +96,23 @@ def test_api_key_guards_everything_but_health(server):
     assert ok.status_code == 200 and ok.json()["data"][0]["id"] == "tiny-reasoner"
     with pytest.raises(openai.AuthenticationError):
         openai.OpenAI(base_url=base + "/v1", api_key="bad", max_retries=0).models.list()
+
+
+@pytest.mark.parametrize("regex", [r"The answer is [0-9]+\.", "[0-9]+"])
+def test_a_grammar_constrains_the_answer_after_free_reasoning(client, regex):
+    """As in SGLang: the think block is free text, the grammar starts after </think>."""
+    import re
+
+    r = client.chat.completions.create(
+        model="tiny-reasoner", messages=MESSAGES, temperature=0, max_tokens=64, extra_body={"regex": regex}
+    )
+    msg = r.choices[0].message
+    assert msg.model_extra["reasoning_content"] == REASONING
+    assert re.fullmatch(regex, msg.content), msg.content
+    assert r.choices[0].finish_reason == "stop"
+    # Without thinking the grammar applies from the first token.
+    r = client.chat.completions.create(
+        model="tiny-reasoner", messages=MESSAGES, temperature=0, max_tokens=64,
+        extra_body={"regex": regex, "chat_template_kwargs": {"enable_thinking": False}},
+    )
+    assert re.fullmatch(regex, r.choices[0].message.content) and r.choices[0].message.model_extra.get("reasoning_content") is None
