@@ -1,22 +1,22 @@
 """Micro-benchmark: what a JSON-schema grammar adds to a decode step, per backend.
 
-    python benchmarks/bench_grammar.py [--batch-sizes 1,16] [--steps 200] [--backend both]
-                                       [--decode-steps 10] [--context 200] [--compiles 5]
+    python benchmarks/bench_grammar.py [--batch-sizes 1,16] [--steps 100] [--backend both]
+                                       [--context 200] [--compiles 5]
 
-Grammar: B constrained rows, each with its own matcher walking token by token through a real
-JSON answer of a person schema (name, age, email, employed, hobbies, address object),
-tokenized with the model's tokenizer and ended by EOS; a finished row starts a fresh matcher
-(untimed: that is a new request's cost) and the rows start at staggered offsets, so each
-step meets the masks generation meets (keys, string contents, numbers, separators). Per step
-it times what the engine runs for those rows:
+B constrained rows, each with its own matcher walking token by token through a real JSON
+answer of a person schema (name, age, email, employed, hobbies, address object), tokenized
+with the model's tokenizer and ended by EOS; a finished row starts a fresh matcher (untimed:
+that is a new request's cost) and the rows start at staggered offsets, so the steps meet the
+masks generation meets (keys, string contents, numbers, separators). Each step runs a real
+decode step of B rows over `--context` KV tokens (ModelRunner forward + sampler, default
+sampling parameters, default model and dtype, as bench_forward.py builds it), then times what
+the grammar adds to it in the engine:
   fill    allocate_bitmask + fill_bitmask of the B matchers (apply_grammars' loop)
-  apply   apply_bitmask on [B, V] float32 logits (the rest of apply_grammars)
-  accept  accept(token) + is_terminated() per matcher (FinishChecker.check)
-Decode step: forward + sampler (default sampling parameters, no grammar) of a ModelRunner
-decode step of B rows over `--context` KV tokens each, default model and dtype, as
-bench_forward.py runs it. Reports the grammar's added ms per step (median, p90), the step's
-median ms and their ratio; and each backend's one-off compile of the schema (compile cache
-cleared each time) plus the first matcher and mask, which a new schema's first request pays.
+  apply   apply_bitmask on the step's [B, V] float32 logits (the rest of apply_grammars)
+  accept  accept(token) + is_terminated() of each matcher (FinishChecker.check)
+Prints the added ms per step (median, p90), the decode step's median ms and their ratio; and
+each backend's one-off compile of the schema (compile cache cleared each time) and the first
+matcher + mask, which the first request of a new schema pays.
 """
 
 from __future__ import annotations
@@ -116,38 +116,60 @@ def check_walk(backend, compiled, tokens: list[int], vocab: int) -> None:
     assert m.is_terminated(), f"{backend.name}: not terminated after EOS"
 
 
-def time_grammar(backend, compiled, seqs: list[list[int]], batch: int, steps: int, vocab: int) -> dict:
-    rows = [Row(backend, compiled, seqs[i % len(seqs)], i * 11) for i in range(batch)]
-    g = torch.Generator().manual_seed(0)
-    base = torch.randn(batch, vocab, generator=g) * 4.0  # [B, V] float32
-    fill, apply, accept, total = [], [], [], []
-    idx = list(range(batch))
-    for step in range(steps + 5):
-        logits = base.clone()
+def time_steps(runner: ModelRunner, kv_rows: list[int], context: int, backend, compiled, seqs: list[list[int]],
+               steps: int, vocab: int, eos: set[int]) -> dict:
+    """`steps` decode steps of len(kv_rows) rows, each followed by the grammar's work for as
+    many constrained rows: the two are timed under the same conditions (a busy host, the
+    forward's weights streaming through the caches), as they follow each other in the engine."""
+    b = len(kv_rows)
+    r2t = runner.req_to_token_pool.req_to_token
+    reqs = [Req(f"r{i}", [1] * context, SamplingParams.from_dict({})) for i in range(b)]
+    info = SamplingBatchInfo.from_reqs(reqs, vocab, runner.device, eos)  # no grammar: the plain step
+    sampler = Sampler(0, runner.device)
+    rows = [Row(backend, compiled, seqs[i % len(seqs)], i * 11) for i in range(b)]
+    idx = list(range(b))
+    decode, fill, apply, accept, total = [], [], [], [], []
+    warmup = 3  # allocator, kernels, llguidance's lazily built lexer states
+    for step in range(steps + warmup):
+        fb = ForwardBatch.create(
+            input_ids=[(j * 37 + step) % 1000 + 1 for j in range(b)],
+            req_pool_indices=kv_rows,
+            prefix_lens=[context] * b,
+            extend_lens=[1] * b,
+            out_cache_loc=torch.cat([r2t[row, context : context + 1].to(torch.int64) for row in kv_rows]),
+            device=runner.device,
+        )
         t0 = time.perf_counter()
-        bitmask = allocate_bitmask(batch, vocab)  # [B, ceil(V / 32)] int32
+        out = runner.forward(fb)
+        sampler(out.next_token_logits, info)
+        t1 = time.perf_counter()
+        logits = out.next_token_logits.float().clone()  # [B, V]: the sampler's copy
+        t2 = time.perf_counter()
+        bitmask = allocate_bitmask(b, vocab)  # [B, ceil(V / 32)] int32, as apply_grammars
         for i, r in enumerate(rows):
             r.matcher.fill_bitmask(bitmask, i)
-        t1 = time.perf_counter()
+        t3 = time.perf_counter()
         apply_bitmask(logits, bitmask, idx)
-        t2 = time.perf_counter()
+        t4 = time.perf_counter()
         done = []
-        for r in rows:
+        for r in rows:  # FinishChecker.check: the row's next answer token, not the sampled one
             ok = r.matcher.accept(r.tokens[r.pos])
             r.pos += 1
             if r.matcher.is_terminated():
                 done.append(r)
             assert ok
-        t3 = time.perf_counter()
+        t5 = time.perf_counter()
         for r in done:  # a new request: untimed
             r.restart()
-        if step >= 5:  # warm-up (llguidance builds its lexer states lazily)
-            fill.append(t1 - t0)
-            apply.append(t2 - t1)
-            accept.append(t3 - t2)
-            total.append(t3 - t0)
+        if step >= warmup:
+            decode.append(t1 - t0)
+            fill.append(t3 - t2)
+            apply.append(t4 - t3)
+            accept.append(t5 - t4)
+            total.append(t5 - t2)
     ms = 1e3
     return {
+        "decode": statistics.median(decode) * ms,
         "fill": statistics.median(fill) * ms,
         "apply": statistics.median(apply) * ms,
         "accept": statistics.median(accept) * ms,
@@ -179,31 +201,6 @@ def build_runner(model_path: str, dtype: str, max_batch: int) -> ModelRunner:
     return ModelRunner(config, sargs)
 
 
-def time_decode(runner: ModelRunner, rows: list[int], context: int, steps: int, vocab: int, eos: set[int]) -> float:
-    """Median ms of forward + sampler for one decode step of len(rows) rows."""
-    r2t = runner.req_to_token_pool.req_to_token
-    b = len(rows)
-    reqs = [Req(f"r{i}", [1] * context, SamplingParams.from_dict({})) for i in range(b)]
-    info = SamplingBatchInfo.from_reqs(reqs, vocab, runner.device, eos)
-    sampler = Sampler(0, runner.device)
-    times = []
-    for i in range(steps + 2):
-        fb = ForwardBatch.create(
-            input_ids=[(j * 37) % 1000 + 1 for j in range(b)],
-            req_pool_indices=rows,
-            prefix_lens=[context] * b,
-            extend_lens=[1] * b,
-            out_cache_loc=torch.cat([r2t[row, context : context + 1].to(torch.int64) for row in rows]),
-            device=runner.device,
-        )
-        t0 = time.perf_counter()
-        out = runner.forward(fb)
-        sampler(out.next_token_logits, info)
-        if i >= 2:  # the first runs warm up allocator and kernels
-            times.append(time.perf_counter() - t0)
-    return statistics.median(times) * 1e3
-
-
 def int_list(values: list[str]) -> list[int]:
     return [int(x) for v in values for x in v.split(",") if x]
 
@@ -213,8 +210,7 @@ def main() -> None:
     parser.add_argument("--model-path", default=None)
     parser.add_argument("--dtype", default="auto")
     parser.add_argument("--batch-sizes", nargs="+", default=["1,16"], help="e.g. 1,16 or 1 16")
-    parser.add_argument("--steps", type=int, default=200, help="grammar steps timed per batch size and backend")
-    parser.add_argument("--decode-steps", type=int, default=10, help="decode steps timed per batch size")
+    parser.add_argument("--steps", type=int, default=100, help="decode steps timed per batch size and backend")
     parser.add_argument("--context", type=int, default=200, help="KV tokens per row before the decode step")
     parser.add_argument("--compiles", type=int, default=5, help="fresh compiles timed per backend")
     parser.add_argument("--backend", default="both", choices=["xgrammar", "llguidance", "both"])
@@ -226,40 +222,36 @@ def main() -> None:
 
     path = resolve_model_path(args.model_path)
     runner = build_runner(path, args.dtype, max(batch_sizes))
-    cfg = runner.model_config if hasattr(runner, "model_config") else ModelConfig.load(path, None)
-    vocab, eos = cfg.vocab_size, list(cfg.eos_token_ids)
+    vocab, eos = runner.model_config.vocab_size, list(runner.model_config.eos_token_ids)
     tokenizer = AutoTokenizer.from_pretrained(path)
     seqs = [tokenizer.encode(a, add_special_tokens=False) + [eos[0]] for a in answers()]
     schema = json.dumps(SCHEMA)
     names = ["xgrammar", "llguidance"] if args.backend == "both" else [args.backend]
-
-    # Decode steps first, while nothing else has warmed the caches.
+    # Every row gets context + 1 KV slots up front (random KV content is fine for timing).
     pool, r2t = runner.token_to_kv_pool, runner.req_to_token_pool.req_to_token
-    rows = [runner.req_to_token_pool.alloc() for _ in range(max(batch_sizes))]
-    for row in rows:
+    kv_rows = [runner.req_to_token_pool.alloc() for _ in range(max(batch_sizes))]
+    for row in kv_rows:
         r2t[row, : args.context + 1] = pool.alloc(args.context + 1).to(torch.int32)
-    decode = {b: time_decode(runner, rows[:b], args.context, args.decode_steps, vocab, set(eos)) for b in batch_sizes}
 
     print(f"dtype {runner.dtype}, threads {torch.get_num_threads()}, vocab {vocab}, context {args.context}, "
-          f"answers {min(map(len, seqs))}-{max(map(len, seqs))} tokens")
-    results, compiles = [], {}
+          f"JSON answers of {min(map(len, seqs))}-{max(map(len, seqs))} tokens")
+    backends, compiles = {}, {}
     for name in names:
         backend = backend_class(name)(tokenizer, vocab, eos)
         compiles[name] = time_compile(backend, schema, args.compiles, vocab)
-        compiled = backend.compile("json_schema", schema)
+        backends[name] = (backend, backend.compile("json_schema", schema))
         for s in seqs:
-            check_walk(backend, compiled, s, vocab)
-        for b in batch_sizes:
-            results.append((b, name, time_grammar(backend, compiled, seqs, b, args.steps, vocab)))
-
+            check_walk(*backends[name], s, vocab)
     print("| B | backend | fill ms | apply ms | accept ms | added ms p50 | added ms p90 | decode step ms | added / step |")
-    print("| --- | --- | --- | --- | --- | --- | --- | --- | --- |")
-    for b, name, r in results:
-        print(f"| {b} | {name} | {r['fill']:.3f} | {r['apply']:.3f} | {r['accept']:.3f} | {r['p50']:.3f} | "
-              f"{r['p90']:.3f} | {decode[b]:.1f} | {r['p50'] / decode[b] * 100:.1f}% |")
+    print("| --- | --- | --- | --- | --- | --- | --- | --- | --- |", flush=True)
+    for b in batch_sizes:
+        for name in names:
+            r = time_steps(runner, kv_rows[:b], args.context, *backends[name], seqs, args.steps, vocab, set(eos))
+            print(f"| {b} | {name} | {r['fill']:.2f} | {r['apply']:.2f} | {r['accept']:.2f} | {r['p50']:.2f} | "
+                  f"{r['p90']:.2f} | {r['decode']:.1f} | {r['p50'] / r['decode'] * 100:.1f}% |", flush=True)
     for name, (comp, first) in compiles.items():
-        print(f"compile {name:<10s} {comp:8.1f} ms (median of {args.compiles}, cache cleared)  "
-              f"first matcher + mask {first:6.1f} ms")
+        print(f"compile {name:<10s} {comp:7.1f} ms (median of {args.compiles}, cache cleared), "
+              f"first matcher + mask {first:5.1f} ms")
 
 
 if __name__ == "__main__":

@@ -25,6 +25,7 @@ SCHEMA = {
 }
 PROMPT = "Describe a person as JSON with name, age and hobbies."
 GREEDY = {"max_new_tokens": 96, "temperature": 0}
+LONG_PROMPT = "Here is a long story about a river that runs through a valley. " * 6 + "Describe its owner as JSON:"
 FREE_PROMPTS = ["The capital of France is", "Once upon a time", "def fibonacci(n):"]
 
 
@@ -64,6 +65,19 @@ def test_regex_and_ebnf(engine):
     assert answer["text"] in ("yes", "no", "maybe")
 
 
+def test_structural_tag_in_xgrammars_format(engine):
+    tag = {
+        "type": "structural_tag",
+        "format": {
+            "type": "tag", "begin": "<answer>", "end": "</answer>",
+            "content": {"type": "json_schema", "json_schema": {"type": "object", "properties": {"x": {"enum": ["yes", "no"]}}, "required": ["x"]}},
+        },
+    }
+    out = engine.generate("Answer with a number:", {**GREEDY, "structural_tag": json.dumps(tag)})
+    m = re.fullmatch(r"<answer>(.*)</answer>", out["text"], re.DOTALL)
+    assert m and json.loads(m.group(1))["x"] in ("yes", "no"), out["text"]
+
+
 def test_constrained_and_free_requests_share_batches_without_touching_the_free_ones(engine, tokenizer):
     free = [{"max_new_tokens": 24, "temperature": 0, "ignore_eos": True}] * len(FREE_PROMPTS)
     alone = [o["output_ids"] for o in engine.generate(FREE_PROMPTS, free)]
@@ -98,29 +112,28 @@ def test_invalid_grammars_are_refused_before_queueing(engine):
 
 @pytest.fixture(scope="module")
 def pressured():
-    """The other backend, under KV pressure (retraction), with small prefill chunks."""
-    with Engine(
-        dtype="float32", log_level="warning", grammar_backend="llguidance", max_total_tokens=160,
-        chunked_prefill_size=32, skip_server_warmup=True,
-    ) as eng:
+    """Under KV pressure (retraction), with small prefill chunks."""
+    with Engine(dtype="float32", log_level="warning", max_total_tokens=160, chunked_prefill_size=32, skip_server_warmup=True) as eng:
         yield eng
 
 
 @pytest.mark.slow
 def test_retraction_and_chunked_prefill_leave_constrained_outputs_alone(engine, pressured):
     """8 requests of ~40 tokens each cannot all fit in 160 KV slots: running requests are
-    retracted and resumed, their matchers keeping their place."""
+    retracted and resumed, their matchers keeping their place. A prompt longer than a chunk
+    is computed in several steps before its first constrained token."""
     constrained = [f"Person number {i} described as JSON:" for i in range(4)]
-    alone = [pressured.generate(p, schema_params())["text"] for p in constrained]  # one at a time: no pressure
-    for text in alone:
-        jsonschema.validate(json.loads(text), SCHEMA)
     free = {"max_new_tokens": 40, "temperature": 0, "ignore_eos": True}
-    free_want = [o["text"] for o in engine.generate(PROMPTS[:4], free)]
+    want = [o["text"] for o in engine.generate(constrained + PROMPTS[:4], [schema_params()] * 4 + [free] * 4)]
+    for text in want[:4]:
+        jsonschema.validate(json.loads(text), SCHEMA)
     outs = pressured.generate(constrained + PROMPTS[:4], [schema_params()] * 4 + [free] * 4)
-    assert [o["text"] for o in outs[:4]] == alone
-    assert [o["text"] for o in outs[4:]] == free_want
+    assert [o["text"] for o in outs] == want
     load = wait_idle(pressured)
     assert load.num_retractions > 0 and load.invariant_ok and load.kv_used_tokens == 0
+    long = pressured.generate(LONG_PROMPT, schema_params())
+    assert long["meta_info"]["prompt_tokens"] > 2 * 32
+    assert long["text"] == engine.generate(LONG_PROMPT, schema_params())["text"]
 
 
 @pytest.mark.slow
@@ -134,8 +147,17 @@ def test_tensor_parallel_ranks_apply_the_same_mask(engine, tokenizer):
         assert re.fullmatch("[0-9]{2}", bad["text"])
 
 
-def test_grammar_backend_none_refuses_grammars_with_a_clear_error():
-    with Engine(dtype="float32", log_level="warning", grammar_backend="none", max_total_tokens=2048, skip_server_warmup=True) as eng:
-        with pytest.raises(RequestError, match="--grammar-backend none"):
-            eng.generate("Hi", {**GREEDY, "regex": "a+"})
+@pytest.mark.parametrize("backend", ["llguidance", "none"])
+def test_other_grammar_backends(backend, tokenizer):
+    with Engine(dtype="float32", log_level="warning", grammar_backend=backend, max_total_tokens=2048, skip_server_warmup=True) as eng:
+        if backend == "none":
+            with pytest.raises(RequestError, match="--grammar-backend none"):
+                eng.generate("Hi", {**GREEDY, "regex": "a+"})
+        else:
+            assert_valid(eng.generate(input_ids=chat_ids(tokenizer, PROMPT), sampling_params=schema_params()))
+            answer = eng.generate("Is the sky green? Answer:", {**GREEDY, "ebnf": 'root ::= "yes" | "no" | "maybe"'})
+            assert answer["text"] in ("yes", "no", "maybe")
+            with pytest.raises(RequestError, match="structural_tag is not supported"):
+                eng.generate("Hi", {**GREEDY, "structural_tag": '{"format": {}}'})
         assert eng.generate("Hi", {"max_new_tokens": 2})["meta_info"]["completion_tokens"] == 2
+        assert wait_idle(eng).invariant_ok
