@@ -8,20 +8,12 @@ import os
 import torch
 from transformers import AutoModelForCausalLM, AutoTokenizer
 
+from tiny_chat_model import greedy_text
 from reasoning_model import PLAIN_REPLY, QUESTION, REASONING_REPLY, make_reasoning_model
 
 
 def _greedy(model, tokenizer, **template_kwargs) -> str:
-    text = tokenizer.apply_chat_template(
-        [{"role": "user", "content": QUESTION}], add_generation_prompt=True, tokenize=False, **template_kwargs
-    )
-    ids = tokenizer.encode(text, add_special_tokens=False)
-    with torch.no_grad():
-        out = model.generate(
-            torch.tensor([ids]), attention_mask=torch.ones(1, len(ids), dtype=torch.long),
-            do_sample=False, max_new_tokens=64,
-        )
-    return tokenizer.decode(out[0, len(ids):], skip_special_tokens=False)
+    return greedy_text(model, tokenizer, [{"role": "user", "content": QUESTION}], **template_kwargs)
 
 
 def test_reasoning_model_fixture(tmp_path_factory):

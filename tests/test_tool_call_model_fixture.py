@@ -11,6 +11,7 @@ from transformers import AutoModelForCausalLM, AutoTokenizer
 
 from srt_lite.parser.tool_call_parser import ToolCallItem, ToolCallParser, detect_tool_call_format
 
+from tiny_chat_model import greedy_text
 from tool_call_model import (
     FINAL_REPLY,
     TOOL_CALL_REPLY,
@@ -23,14 +24,7 @@ from tool_call_model import (
 
 
 def _greedy(model, tokenizer, messages: list[dict]) -> str:
-    text = tokenizer.apply_chat_template(messages, tools=TOOLS, add_generation_prompt=True, tokenize=False)
-    ids = tokenizer.encode(text, add_special_tokens=False)
-    with torch.no_grad():
-        out = model.generate(
-            torch.tensor([ids]), attention_mask=torch.ones(1, len(ids), dtype=torch.long),
-            do_sample=False, max_new_tokens=64,
-        )
-    return tokenizer.decode(out[0, len(ids):], skip_special_tokens=False)
+    return greedy_text(model, tokenizer, messages, tools=TOOLS)
 
 
 def test_tool_call_model_fixture(tmp_path_factory):

@@ -49,6 +49,19 @@ def model_config():
     )
 
 
+def greedy_text(model, tokenizer, messages: list[dict], **template_kwargs) -> str:
+    """transformers' greedy reply (special tokens kept) to `messages`, with the prompt built
+    as the server builds it: the rendered template encoded without added special tokens."""
+    text = tokenizer.apply_chat_template(messages, add_generation_prompt=True, tokenize=False, **template_kwargs)
+    ids = tokenizer.encode(text, add_special_tokens=False)
+    with torch.no_grad():
+        out = model.generate(
+            torch.tensor([ids]), attention_mask=torch.ones(1, len(ids), dtype=torch.long),
+            do_sample=False, max_new_tokens=64,
+        )
+    return tokenizer.decode(out[0, len(ids):], skip_special_tokens=False)
+
+
 def load_tokenizer(chat_template: str):
     """The default model's tokenizer with `chat_template` as its template."""
     from transformers import AutoTokenizer
