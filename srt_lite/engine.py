@@ -28,6 +28,11 @@ logger = logging.getLogger(__name__)
 class Engine:
     def __init__(self, model_path: str | None = None, **kwargs: Any):
         self.server_args = ServerArgs(model_path=model_path, **kwargs)
+        if self.server_args.node_rank > 0:
+            raise ValueError(
+                "an Engine runs on node 0; start the other nodes with "
+                "`python -m srt_lite.launch_server ... --node-rank N`"
+            )
         if not logging.getLogger().handlers:
             configure_logging(self.server_args.log_level)
         self._launch = launch_subprocesses(self.server_args)

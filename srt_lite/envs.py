@@ -34,6 +34,13 @@ class EnvVar:
 CACHE_DIR = EnvVar("SRT_LITE_CACHE", "", "cache directory; default ~/.cache/srt_lite")
 # Caps the CPU level (avx512, avx2, default) so one machine can test a lesser CPU's paths.
 CPU_CAPS = EnvVar("SRT_LITE_CPU_CAPS", "", "cap the CPU level: avx512, avx2 or default")
+# The standard OpenMP thread count: when set, each scheduler rank keeps torch's reading of it
+# instead of taking its node's cores / ranks.
+OMP_NUM_THREADS = EnvVar("OMP_NUM_THREADS", "", "threads per scheduler rank; default: cores / ranks on the node")
+# The network interface of gloo's (and NCCL's bootstrap) sockets. Unset, each rank sets it to
+# the interface that reaches --dist-init-addr (distributed/rendezvous.py).
+GLOO_SOCKET_IFNAME = EnvVar("GLOO_SOCKET_IFNAME", "", "interface for gloo; default: the one reaching --dist-init-addr")
+NCCL_SOCKET_IFNAME = EnvVar("NCCL_SOCKET_IFNAME", "", "interface for NCCL's bootstrap; default: as gloo's")
 # FlashInfer's float workspace in bytes; default by model family as SGLang sizes it.
 FLASHINFER_WORKSPACE_SIZE = EnvVar("SRT_LITE_FLASHINFER_WORKSPACE_SIZE", "", "FlashInfer workspace bytes")
 
@@ -45,4 +52,4 @@ TEST_CRASH_AT_STEP = EnvVar("SRT_LITE_TEST_CRASH_AT_STEP", "0", "raise in the sc
 # benchmarks/replay_steps.py: each forward's rows are appended to this file (JSON lines).
 RECORD_STEPS = EnvVar("SRT_LITE_RECORD_STEPS", "", "append each forward step's shape to this file")
 
-ALL = [CACHE_DIR, CPU_CAPS, FLASHINFER_WORKSPACE_SIZE, DISABLE_CPU_KERNELS, TEST_CRASH_AT_STEP, RECORD_STEPS]
+ALL = [CACHE_DIR, CPU_CAPS, OMP_NUM_THREADS, GLOO_SOCKET_IFNAME, NCCL_SOCKET_IFNAME, FLASHINFER_WORKSPACE_SIZE, DISABLE_CPU_KERNELS, TEST_CRASH_AT_STEP, RECORD_STEPS]

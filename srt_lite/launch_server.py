@@ -45,6 +45,10 @@ def launch_server(server_args: ServerArgs) -> int:
     from srt_lite.metrics import MetricsCollector
     from srt_lite.model_config import ModelConfig
 
+    if server_args.node_rank > 0:
+        from srt_lite.entrypoints.launcher import run_follower_node
+
+        return run_follower_node(server_args)
     _check_port_free(server_args.host, server_args.port)
     launch = launch_subprocesses(server_args)
     exit_code = 0
@@ -100,7 +104,8 @@ def banner(server_args: ServerArgs, served_name: str, model_dir: str, info) -> s
     return "\n".join([
         "srt_lite is ready",
         f"  model        {served_name}  ({model_dir})",
-        f"  dtype        {info.dtype} on {info.device}, tensor parallel {server_args.tp_size}",
+        f"  dtype        {info.dtype} on {info.device}, tensor parallel {server_args.tp_size}"
+        + (f" over {server_args.nnodes} nodes" if server_args.nnodes > 1 else ""),
         f"  compute      linears: {info.linear_path}; CPU {info.cpu}",
         f"  KV cache     {info.max_total_num_tokens} tokens",
         f"  max context  {info.max_context_len} tokens",

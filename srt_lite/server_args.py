@@ -21,7 +21,8 @@ def _arg(default: Any, help: str, group: str, choices: list | None = None, **ext
 
 
 GROUP_ORDER = [
-    "Model", "HTTP server", "Structured outputs", "Memory and scheduling", "Speculative decoding", "Runtime", "Logging"
+    "Model", "HTTP server", "Structured outputs", "Memory and scheduling", "Speculative decoding", "Runtime",
+    "Multi-node", "Logging",
 ]
 
 
@@ -179,6 +180,27 @@ class ServerArgs:
         "Runtime",
     )
     random_seed: int = _arg(0, "Seed for the sampler's global generator.", "Runtime")
+    # Multi-node
+    nnodes: int = _arg(
+        1,
+        "Number of machines the --tp-size ranks span, tp-size / nnodes on each. Run the same "
+        "command on every node with its own --node-rank.",
+        "Multi-node",
+    )
+    node_rank: int = _arg(
+        0,
+        "This node's index, 0..nnodes-1. Node 0 serves HTTP and runs the tokenizer and "
+        "detokenizer; the others run their scheduler ranks only, follow node 0, and exit when it stops.",
+        "Multi-node",
+    )
+    dist_init_addr: str | None = _arg(
+        None,
+        "HOST:PORT where the ranks meet: node 0 listens on exactly this address, the others "
+        "connect to it, and collectives use the interface that reaches it. Needed with "
+        "--nnodes > 1; default: a free loopback port. The traffic is unauthenticated: keep "
+        "it on a private network.",
+        "Multi-node",
+    )
     skip_server_warmup: bool = _arg(
         False, "Start serving without the warm-up forwards (the first requests are then slower).", "Runtime"
     )
@@ -198,6 +220,18 @@ class ServerArgs:
         """Rejects combinations that cannot work, with one clear message."""
         if self.tp_size < 1:
             raise ValueError("--tp-size must be >= 1")
+        if self.nnodes < 1:
+            raise ValueError("--nnodes must be >= 1")
+        if not 0 <= self.node_rank < self.nnodes:
+            raise ValueError(f"--node-rank must be in 0..{self.nnodes - 1} (--nnodes {self.nnodes})")
+        if self.tp_size % self.nnodes:
+            raise ValueError(f"--tp-size {self.tp_size} must be a multiple of --nnodes {self.nnodes}")
+        if self.nnodes > 1 and not self.dist_init_addr:
+            raise ValueError("--nnodes > 1 needs --dist-init-addr HOST:PORT (node 0's address, the same on every node)")
+        if self.dist_init_addr:
+            from srt_lite.distributed.rendezvous import split_host_port
+
+            split_host_port(self.dist_init_addr)
         if self.mem_fraction_static is not None and not 0 < self.mem_fraction_static < 1:
             raise ValueError("--mem-fraction-static must be in (0, 1)")
         if self.max_total_tokens is not None and self.max_total_tokens < 16:
@@ -239,6 +273,15 @@ class ServerArgs:
             raise ValueError("--port must be in 1..65535")
         if self.chat_template is not None and not os.path.isfile(self.chat_template):
             raise ValueError(f"--chat-template file not found: {self.chat_template}")
+
+    @property
+    def tp_size_per_node(self) -> int:
+        return self.tp_size // self.nnodes
+
+    def local_tp_ranks(self) -> range:
+        """The tensor-parallel ranks this node runs."""
+        n = self.tp_size_per_node
+        return range(self.node_rank * n, (self.node_rank + 1) * n)
 
     # ---- command line ------------------------------------------------------------------
 
@@ -293,16 +336,17 @@ def prepare_server_args(argv: list[str] | None = None) -> ServerArgs:
 
 @dataclass
 class PortArgs:
-    """IPC endpoints of one server, all inside a private (0700) temp dir."""
+    """IPC endpoints of one server, all inside a private (0700) temp dir, and the address
+    where its tensor-parallel ranks meet."""
 
     ipc_dir: str
     scheduler_input: str  # TokenizerManager -> Scheduler rank 0
     detokenizer_input: str  # Scheduler rank 0 -> Detokenizer
     tokenizer_input: str  # Detokenizer and Scheduler -> TokenizerManager
-    dist_port: int | None = None  # torch.distributed rendezvous for tp_size > 1
+    dist_init_addr: str | None = None  # HOST:PORT of rank 0's TCP store, for tp_size > 1
 
     @classmethod
-    def create(cls, tp_size: int = 1) -> "PortArgs":
+    def create(cls, tp_size: int = 1, dist_init_addr: str | None = None) -> "PortArgs":
         import os
         import tempfile
 
@@ -310,12 +354,14 @@ class PortArgs:
 
         d = tempfile.mkdtemp(prefix="srt_lite-")
         os.chmod(d, 0o700)
+        if dist_init_addr is None and tp_size > 1:
+            dist_init_addr = f"127.0.0.1:{get_free_port()}"
         return cls(
             ipc_dir=d,
             scheduler_input=os.path.join(d, "scheduler"),
             detokenizer_input=os.path.join(d, "detokenizer"),
             tokenizer_input=os.path.join(d, "tokenizer"),
-            dist_port=get_free_port() if tp_size > 1 else None,
+            dist_init_addr=dist_init_addr,
         )
 
 

@@ -37,6 +37,11 @@ def test_help_is_grouped_with_defaults_and_lists_every_flag():
         (["--max-request-bytes", "10"], "error: --max-request-bytes must be >= 1024"),
         (["--attention-backend", "flashinfer"], "error: --attention-backend flashinfer needs a CUDA device; use torch_native on the CPU"),
         (["--chat-template", "/nonexistent.jinja"], "error: --chat-template file not found: /nonexistent.jinja"),
+        (["--nnodes", "2", "--tp-size", "2"], "error: --nnodes > 1 needs --dist-init-addr HOST:PORT (node 0's address, the same on every node)"),
+        (["--nnodes", "2", "--tp-size", "3", "--dist-init-addr", "127.0.0.1:5000"], "error: --tp-size 3 must be a multiple of --nnodes 2"),
+        (["--nnodes", "2", "--node-rank", "2", "--tp-size", "2"], "error: --node-rank must be in 0..1 (--nnodes 2)"),
+        (["--tp-size", "2", "--dist-init-addr", "127.0.0.1"], "error: --dist-init-addr must be HOST:PORT, got '127.0.0.1'"),
+        (["--tp-size", "2", "--dist-init-addr", "::1:5000"], "error: --dist-init-addr: write an IPv6 address in brackets, [::1]:5000"),
     ],
 )
 def test_invalid_flags_exit_with_one_line(args, message):

@@ -21,7 +21,7 @@ PROMPTS = [[5, 17, 42, 8, 99, 3, 250], [7, 7, 7, 120], list(range(10, 40))]
 
 def main(model_dir: str, rank: int, tp: int, port: int, out: str, steps: int) -> None:
     torch.set_num_threads(1)
-    init_distributed(rank, tp, "cpu", port)
+    init_distributed(rank, tp, "cpu", f"127.0.0.1:{port}")
     runner = ModelRunner(ModelConfig.load(model_dir), ServerArgs(dtype="float32", max_total_tokens=1024, tp_size=tp))
     h = Harness(runner)
     first = h.prefill(PROMPTS)

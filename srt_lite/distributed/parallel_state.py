@@ -3,32 +3,58 @@
 from __future__ import annotations
 
 import datetime
+import logging
+import os
+import sys
 
 import torch
 import torch.distributed as dist
+
+from srt_lite.distributed.rendezvous import bind_collectives_to, open_store, split_host_port
+
+logger = logging.getLogger(__name__)
+
+# How long a rank waits for the others: to join (a node may start minutes after another, and
+# load its weights slower) and in any one collective.
+JOIN_TIMEOUT = datetime.timedelta(seconds=600)
+# What gloo's errors say when the rank at the other end of a connection is gone.
+_PEER_LOST_MARKERS = ("Connection closed by peer", "Connection reset by peer", "Broken pipe", "Timed out", "timed out")
 
 _TP_RANK = 0
 _TP_SIZE = 1
 _CPU_GROUP = None  # gloo group for host-side control traffic (also when NCCL does the math)
 
 
-def init_distributed(tp_rank: int, tp_size: int, device: str, dist_port: int | None) -> None:
-    """Joins the TP group: gloo on CPU, NCCL on CUDA, rendezvous on 127.0.0.1:dist_port."""
+def init_distributed(
+    tp_rank: int, tp_size: int, device: str, dist_init_addr: str | None, local_rank: int | None = None
+) -> None:
+    """Joins the TP group: gloo on CPU, NCCL on CUDA, meeting at `dist_init_addr` (HOST:PORT,
+    rank 0's TCP store). `local_rank` is the rank's index on its own node (its GPU)."""
     global _TP_RANK, _TP_SIZE, _CPU_GROUP
     _TP_RANK, _TP_SIZE = tp_rank, tp_size
     if tp_size == 1:
         return
     backend = "nccl" if device.startswith("cuda") else "gloo"
     if device.startswith("cuda"):
-        torch.cuda.set_device(tp_rank % torch.cuda.device_count())
-    dist.init_process_group(
-        backend=backend,
-        init_method=f"tcp://127.0.0.1:{dist_port}",
-        rank=tp_rank,
-        world_size=tp_size,
-        timeout=datetime.timedelta(seconds=600),
-    )
+        torch.cuda.set_device((tp_rank if local_rank is None else local_rank) % torch.cuda.device_count())
+    host, port = split_host_port(dist_init_addr)
+    bind_collectives_to(host, port)
+    if tp_rank == 0:
+        logger.info("Waiting at %s:%d for the other %d rank(s) to join", host, port, tp_size - 1)
+    store = open_store(host, port, tp_rank, tp_size, JOIN_TIMEOUT)
+    dist.init_process_group(backend=backend, store=store, rank=tp_rank, world_size=tp_size, timeout=JOIN_TIMEOUT)
     _CPU_GROUP = dist.new_group(backend="gloo") if backend != "gloo" else dist.group.WORLD
+    if tp_rank == 0:
+        logger.info("All %d ranks joined", tp_size)
+
+
+def is_peer_lost(e: BaseException) -> bool:
+    """Whether a collective failed because another rank's process or node went away (gloo
+    reports a closed or reset connection, NCCL a DistBackendError) or stopped answering."""
+    if isinstance(e, dist.DistError):
+        return True
+    text = str(e)
+    return isinstance(e, RuntimeError) and any(m in text for m in _PEER_LOST_MARKERS)
 
 
 def destroy_distributed() -> None:
@@ -40,6 +66,19 @@ def destroy_distributed() -> None:
         dist.barrier()
         dist.destroy_process_group()
         _CPU_GROUP = None
+
+
+def exit_together(code: int = 0) -> None:
+    """Ends this process once every rank got here. Past the barrier no rank needs another,
+    and the process ends without C++ teardown: destroying gloo's process group (or letting
+    interpreter exit destroy it) while a peer's connections close races with gloo's own
+    threads, which then call std::terminate (SIGABRT instead of a clean exit)."""
+    if _TP_SIZE > 1 and dist.is_initialized():
+        dist.barrier()
+    logging.shutdown()
+    sys.stdout.flush()
+    sys.stderr.flush()
+    os._exit(code)
 
 
 def get_tp_rank() -> int:
@@ -93,6 +132,16 @@ def broadcast_messages(raw: list[bytes]) -> list[bytes]:
         out.append(data[off : off + length])
         off += length
     return out
+
+
+def tp_broadcast_from_first(x: torch.Tensor) -> torch.Tensor:
+    """Rank 0's `x` on every rank (in place). Ranks on different machines may compute
+    slightly different floats from the same inputs; this keeps a choice made from them (a
+    sampled token) the same on every rank."""
+    if _TP_SIZE == 1:
+        return x
+    dist.broadcast(x, src=0)
+    return x
 
 
 def tp_min(value: int) -> int:

@@ -12,7 +12,9 @@ from __future__ import annotations
 import asyncio
 import dataclasses
 import hmac
+import json
 import logging
+import os
 from importlib.metadata import PackageNotFoundError, version
 from typing import Any, AsyncIterator
 
@@ -60,6 +62,7 @@ class ServerState:
         self.api_key = args.api_key
         self.max_request_bytes = args.max_request_bytes
         self.chat_template = open(args.chat_template).read() if args.chat_template else None
+        self.hf_config = _read_hf_config(model_dir)
         self.dead: str | None = None  # why the server cannot serve (a child process died)
 
     def unavailable(self) -> str | None:
@@ -67,6 +70,14 @@ class ServerState:
         if self.dead:
             return self.dead
         return "the server is shutting down" if self.tm.draining else None
+
+
+def _read_hf_config(model_dir: str) -> dict:
+    try:
+        with open(os.path.join(model_dir, "config.json")) as f:
+            return json.load(f)
+    except (OSError, ValueError):
+        return {}
 
 
 def _server(request: Request) -> ServerState:
@@ -105,19 +116,44 @@ async def get_model_info(request: Request) -> Response:
         "served_model_name": state.served_model_name,
         "is_generation": True,
         "max_context_length": state.tm.context_len,
+        "model_type": state.hf_config.get("model_type"),
+        "architectures": state.hf_config.get("architectures"),
     })
 
 
 async def get_server_info(request: Request) -> Response:
-    tm = _server(request).tm
+    """The flags, the launch info and the scheduler's load. A gateway (sglang-router) reads
+    its model id from `served_model_name` and loads its tokenizer from `model_path`, so both
+    are the resolved values, never the flags' None."""
+    state = _server(request)
+    tm = state.tm
     info = dataclasses.asdict(tm.server_args)
     info.update(dataclasses.asdict(tm.info))
-    info["version"] = _version()
+    info.update(
+        model_path=state.model_dir,
+        tokenizer_path=state.model_dir,
+        served_model_name=state.served_model_name,
+        dp_size=1,
+        version=_version(),
+    )
     try:
         info["load"] = dataclasses.asdict(await tm.get_load())
     except asyncio.TimeoutError:
         pass  # the scheduler is busy or gone; the rest is still worth answering
     return json_response(info)
+
+
+async def get_load(request: Request) -> Response:
+    """SGLang's load report, one entry per data-parallel rank (here one): what a gateway's
+    power_of_two policy compares. num_tokens counts the KV that requests hold plus the prompt
+    tokens still waiting."""
+    load = await _server(request).tm.get_load()
+    return json_response([{
+        "dp_rank": 0,
+        "num_reqs": load.num_running_reqs + load.num_waiting_reqs,
+        "num_waiting_reqs": load.num_waiting_reqs,
+        "num_tokens": load.kv_used_tokens + load.num_waiting_tokens,
+    }])
 
 
 async def flush_cache(request: Request) -> Response:
@@ -219,8 +255,12 @@ def build_app(state: ServerState) -> Starlette:
     routes = [
         Route("/health", health, methods=["GET"]),
         Route("/health_generate", health_generate, methods=["GET"]),
+        # SGLang's current names and the older get_* ones, which clients still call.
+        Route("/model_info", get_model_info, methods=["GET"]),
         Route("/get_model_info", get_model_info, methods=["GET"]),
+        Route("/server_info", get_server_info, methods=["GET"]),
         Route("/get_server_info", get_server_info, methods=["GET"]),
+        Route("/get_load", get_load, methods=["GET"]),
         Route("/flush_cache", flush_cache, methods=["GET", "POST"]),
         Route("/abort_request", abort_request, methods=["POST"]),
         Route("/generate", generate, methods=["POST"]),

@@ -7,6 +7,7 @@ import logging
 import multiprocessing as mp
 import os
 import shutil
+import signal
 import threading
 from multiprocessing.connection import wait
 from typing import Callable
@@ -91,18 +92,20 @@ class LaunchResult:
 
 def launch_subprocesses(server_args: ServerArgs) -> LaunchResult:
     """Converts the model if needed (once, here, so children never race on it), then starts
-    the scheduler rank(s) and the detokenizer and waits until every one is ready."""
+    this node's scheduler rank(s) and, on node 0, the detokenizer, and waits until every one
+    is ready."""
     model_dir = resolve_model_path(server_args.model_path)
     ModelConfig.load(model_dir, server_args.context_length).verify_tp(server_args.tp_size)
     child_args = dataclasses.replace(server_args, model_path=model_dir)
-    port_args = PortArgs.create(server_args.tp_size)
+    port_args = PortArgs.create(server_args.tp_size, server_args.dist_init_addr)
     procs = Subprocesses(port_args)
     try:
         readers = []
-        for rank in range(server_args.tp_size):
+        for rank in server_args.local_tp_ranks():
             name = f"scheduler_TP{rank}"
             readers.append((name, procs.start(name, run_scheduler_process, (child_args, port_args, rank))))
-        readers.append(("detokenizer", procs.start("detokenizer", run_detokenizer_process, (child_args, port_args, model_dir))))
+        if server_args.node_rank == 0:
+            readers.append(("detokenizer", procs.start("detokenizer", run_detokenizer_process, (child_args, port_args, model_dir))))
         infos = procs.wait_ready(readers)
     except BaseException:
         procs.shutdown()
@@ -114,3 +117,39 @@ def launch_subprocesses(server_args: ServerArgs) -> LaunchResult:
         info.dtype, info.device,
     )
     return LaunchResult(procs, port_args, model_dir, info)
+
+
+def run_follower_node(server_args: ServerArgs) -> int:
+    """A node with --node-rank > 0: its scheduler ranks only, following rank 0's broadcast.
+    Returns 0 once they leave with node 0 (it stopped) or on SIGTERM/SIGINT here, 1 when one
+    of them fails (another node died, or this rank itself)."""
+    launch = launch_subprocesses(server_args)
+    ranks = server_args.local_tp_ranks()
+    logger.info(
+        "Node %d of %d is serving: ranks TP%d-TP%d follow node 0 at %s (no HTTP server on this node)",
+        server_args.node_rank, server_args.nnodes, ranks.start, ranks.stop - 1, server_args.dist_init_addr,
+    )
+    stop = threading.Event()
+    previous = {sig: signal.signal(sig, lambda signum, frame: stop.set()) for sig in (signal.SIGTERM, signal.SIGINT)}
+    procs = launch.procs
+    try:
+        while not stop.is_set():
+            wait([p.sentinel for _, p in procs.procs], timeout=0.5)
+            ended = [(name, p) for name, p in procs.procs if p.exitcode is not None]
+            if not ended:
+                continue
+            failed = [(name, p.exitcode) for name, p in ended if p.exitcode != 0]
+            if failed:
+                name, code = failed[0]
+                logger.error("%s exited with code %s: lost the other nodes or failed (see its line above); node %d stops",
+                             name, code, server_args.node_rank)
+                return 1
+            if len(ended) == len(procs.procs):
+                logger.info("Node 0 stopped serving; node %d exits", server_args.node_rank)
+                return 0
+        logger.info("Stopping node %d", server_args.node_rank)
+        return 0
+    finally:
+        procs.shutdown()
+        for sig, handler in previous.items():
+            signal.signal(sig, handler)

@@ -48,6 +48,13 @@ class FlushCacheReqOutput:
 
 
 @dataclass
+class ShutdownReq:
+    """Scheduler rank 0 -> the other ranks (never over ZMQ): leave the loop together."""
+
+    pass
+
+
+@dataclass
 class GetLoadReq:
     """Asks the scheduler for its queue and memory state (health checks, tests)."""
 
@@ -71,6 +78,7 @@ class GetLoadReqOutput:
     # tokens they produced (their ratio is the mean accept length).
     spec_verified_rows: int = 0
     spec_new_tokens: int = 0
+    num_waiting_tokens: int = 0  # prompt (and, once retracted, output) tokens of the waiting requests
 
 
 @dataclass
@@ -137,6 +145,7 @@ _REGISTRY: dict[str, type] = {
         AbortReq,
         FlushCacheReq,
         FlushCacheReqOutput,
+        ShutdownReq,
         GetLoadReq,
         GetLoadReqOutput,
         BatchTokenIDOut,

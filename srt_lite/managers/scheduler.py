@@ -14,6 +14,9 @@ from __future__ import annotations
 
 import logging
 import os
+import shutil
+import signal
+import threading
 import traceback
 from typing import Any, Callable
 
@@ -22,13 +25,14 @@ import torch
 from srt_lite import cpu_caps, envs
 from srt_lite.constrained import backend_class
 from srt_lite.constrained.reasoning import ThinkTags
-from srt_lite.distributed.parallel_state import init_distributed
+from srt_lite.distributed.parallel_state import exit_together, init_distributed, is_peer_lost
 from srt_lite.managers.io_struct import (
     AbortReq,
     FlushCacheReq,
     FlushCacheReqOutput,
     GetLoadReq,
     SchedulerReady,
+    ShutdownReq,
     TokenizedGenerateReqInput,
 )
 from srt_lite.managers.grammar_manager import GrammarManager
@@ -53,6 +57,8 @@ logger = logging.getLogger(__name__)
 
 Step = tuple[ScheduleBatch, torch.Tensor]  # a batch and its KV slots (out_cache_loc)
 
+# How long a node-0 rank waits after SIGTERM for rank 0's shutdown message before it just dies.
+STOP_GRACE_S = 10.0
 # How long an otherwise idle loop waits for a compiling grammar before it looks for messages.
 GRAMMAR_POLL_S = 0.005
 
@@ -103,7 +109,9 @@ class Scheduler:
             AbortReq: self.abort,
             FlushCacheReq: self.flush_cache,
             GetLoadReq: lambda _: self.io.reply(self.stats.load(self.holders())),
+            ShutdownReq: self.shutdown,
         }
+        self.stopped = False
 
     def ready_info(self) -> SchedulerReady:
         runner = self.worker.model_runner
@@ -122,13 +130,16 @@ class Scheduler:
     # ---- the loop ------------------------------------------------------------------------
 
     def event_loop(self) -> None:
-        while True:
+        """Runs until a ShutdownReq arrives (every rank gets it in the same step)."""
+        while not self.stopped:
             for msg in self.io.recv(block=not self.busy()):
                 handler = self.handlers.get(type(msg))
                 if handler is None:
                     logger.warning("ignored a %s message", type(msg).__name__)
                 else:
                     handler(msg)
+            if self.stopped:
+                return
             step = self.next_step()
             if step is None:
                 self.prefill.reserve.reset()
@@ -255,6 +266,11 @@ class Scheduler:
         if aborted:
             self.io.send_outputs(aborted)
 
+    def shutdown(self, msg: ShutdownReq) -> None:
+        self.stopped = True
+        if self.tp_rank == 0:
+            logger.info("Shutting down every rank")
+
     def flush_cache(self, msg: FlushCacheReq) -> None:
         ok = not self.busy() and self.kv.flush()
         if ok and self.drafter is not None:
@@ -268,21 +284,60 @@ class Scheduler:
 
 
 def run_scheduler_process(server_args: ServerArgs, port_args: PortArgs, tp_rank: int, pipe) -> None:
-    """Process entry: builds the Scheduler, reports ready (or the error) over `pipe`, loops."""
+    """Process entry: builds the Scheduler, reports ready (or the error) over `pipe`, loops
+    until rank 0 broadcasts a shutdown (exit 0) or a failure (exit 1)."""
     init_child_process(f"srt_lite::scheduler_TP{tp_rank}", port_args.ipc_dir)
     configure_logging(server_args.log_level, prefix=f"TP{tp_rank}")
+    tp = server_args.tp_size > 1
     try:
-        if server_args.tp_size > 1:
-            # Share the cores between ranks instead of oversubscribing them.
-            torch.set_num_threads(max(1, (os.cpu_count() or 1) // server_args.tp_size))
-            init_distributed(tp_rank, server_args.tp_size, resolve_device(server_args.device), port_args.dist_port)
+        if tp:
+            if not envs.OMP_NUM_THREADS.get():
+                # Share this node's cores between its ranks instead of oversubscribing them.
+                torch.set_num_threads(max(1, (os.cpu_count() or 1) // server_args.tp_size_per_node))
+            local_rank = tp_rank - server_args.local_tp_ranks().start
+            init_distributed(tp_rank, server_args.tp_size, resolve_device(server_args.device), port_args.dist_init_addr, local_rank)
         scheduler = Scheduler(server_args, port_args, tp_rank)
+        if tp and server_args.node_rank == 0:
+            stop_on_sigterm(scheduler.io, port_args.ipc_dir)
         pipe.send(("ready", scheduler.ready_info().__dict__))
         scheduler.event_loop()
+        exit_together(0)
     except Exception as e:  # noqa: BLE001 - report any start-up or loop failure, then die
-        logger.error("Scheduler TP%d failed:\n%s", tp_rank, traceback.format_exc())
+        if tp and is_peer_lost(e):
+            logger.error("Scheduler TP%d lost contact with another rank (%s); exiting", tp_rank, first_sentence(e))
+        else:
+            logger.error("Scheduler TP%d failed:\n%s", tp_rank, traceback.format_exc())
         try:
             pipe.send(("error", f"{type(e).__name__}: {e}"))
         except (OSError, BrokenPipeError):
             pass
         raise SystemExit(1)
+
+
+def stop_on_sigterm(io: SchedulerIO, ipc_dir: str) -> None:
+    """SIGTERM on node 0 under tensor parallelism: rank 0 broadcasts a shutdown at the top of
+    its next loop, so every rank (other nodes' too) leaves together and exits 0; the node's
+    other ranks wait for that message. A rank that did not hear it within STOP_GRACE_S (rank 0
+    stuck, or gone) dies as a plain SIGTERM would have ended it."""
+
+    def die() -> None:
+        signal.signal(signal.SIGTERM, signal.SIG_DFL)
+        os.kill(os.getpid(), signal.SIGTERM)
+
+    def on_sigterm(signum, frame) -> None:
+        shutil.rmtree(ipc_dir, ignore_errors=True)
+        io.request_stop()
+        timer = threading.Timer(STOP_GRACE_S, die)
+        timer.daemon = True
+        timer.start()
+
+    signal.signal(signal.SIGTERM, on_sigterm)
+
+
+def first_sentence(e: BaseException) -> str:
+    """gloo's messages start with a source location and go on for lines; the first sentence
+    says what happened."""
+    text = str(e).strip().splitlines()[0] if str(e).strip() else type(e).__name__
+    if text.startswith("[") and "] " in text:
+        text = text.split("] ", 1)[1]
+    return text.split(". ")[0]

@@ -36,6 +36,12 @@ class SchedulerIO:
             self.send_to_tokenizer = zmq_socket(ctx, zmq.PUSH, port_args.tokenizer_input, bind=False)
             self.poller = zmq.Poller()
             self.poller.register(self.recv_from_tokenizer, zmq.POLLIN)
+        self.stop_requested = False
+
+    def request_stop(self) -> None:
+        """Rank 0 adds a ShutdownReq to what it shares next (safe to call from a signal
+        handler: it only sets a flag)."""
+        self.stop_requested = True
 
     def recv(self, block: bool) -> list[Any]:
         """Every message waiting now; with `block`, first sleeps until one arrives (or the
@@ -49,6 +55,8 @@ class SchedulerIO:
                     raw.append(self.recv_from_tokenizer.recv(zmq.NOBLOCK))
                 except zmq.Again:
                     break
+            if self.stop_requested:
+                raw.append(io_struct.encode(io_struct.ShutdownReq()))
         if self.tp_size > 1:
             raw = broadcast_messages(raw)
         msgs = []

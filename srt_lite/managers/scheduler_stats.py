@@ -115,4 +115,5 @@ class SchedulerStats:
             gen_throughput=self.last_gen_throughput,
             spec_verified_rows=self.spec_rows_total,
             spec_new_tokens=self.spec_tokens_total,
+            num_waiting_tokens=sum(len(r.origin_input_ids) + len(r.output_ids) for r in self.prefill.waiting),
         )

@@ -95,6 +95,8 @@ class TokenizerManager:
 
     async def wait_idle(self, timeout: float) -> bool:
         """Waits until no request is in flight; False if some still are after `timeout` s."""
+        if self._idle.is_set():
+            return True  # wait_for with timeout 0 would time out even on a set event
         try:
             await asyncio.wait_for(self._idle.wait(), timeout)
         except asyncio.TimeoutError:

@@ -10,6 +10,7 @@ import orjson
 import torch
 
 from srt_lite import envs
+from srt_lite.distributed.parallel_state import tp_broadcast_from_first
 
 from srt_lite.managers.schedule_batch import ScheduleBatch
 from srt_lite.req import Req
@@ -37,6 +38,11 @@ class TpModelWorker:
         self.device = self.model_runner.device
         self.vocab_size = model_config.vocab_size
         self.sampler = Sampler(server_args.random_seed, self.device)
+        # Every rank samples the same logits with the same generators, which gives the same
+        # tokens on one machine. Across machines, CPUs that differ (AVX2 and AVX-512, say) may
+        # round differently and pick different tokens; the ranks' batches would then diverge,
+        # so with several nodes rank 0's tokens are broadcast each step.
+        self.sync_sampled = server_args.nnodes > 1
         # benchmarks/replay_steps.py: each forward's rows appended to this file (JSON lines),
         # so a server run's steps can be replayed in one process to compare code variants.
         self.record_steps = envs.RECORD_STEPS.get()
@@ -96,6 +102,12 @@ class TpModelWorker:
             f.write(orjson.dumps([list(prefix_lens), list(extend_lens), round(seconds * 1e3, 2)]) + b"\n")
 
     def sample(self, logits: torch.Tensor, reqs: list[Req], infos: list[SamplingBatchInfo]) -> SampleOutput:
+        out = self.sample_rows(logits, reqs, infos)
+        if self.sync_sampled:
+            tp_broadcast_from_first(out.next_ids)
+        return out
+
+    def sample_rows(self, logits: torch.Tensor, reqs: list[Req], infos: list[SamplingBatchInfo]) -> SampleOutput:
         if len(infos) == 1:
             return self.sampler(logits, infos[0], logprob_request(reqs))
         ids, logprobs, start = [], {}, 0

@@ -10,6 +10,7 @@ import torch.nn.functional as F
 
 from srt_lite import cpu_caps
 from srt_lite.distributed import get_tp_rank, get_tp_size
+from srt_lite.distributed.parallel_state import tp_min
 from srt_lite.layers import cpu_kernels
 from srt_lite.layers.attention import create_attention_backend
 from srt_lite.layers.linear import (
@@ -38,13 +39,24 @@ logger = logging.getLogger(__name__)
 _DEFAULT_MEM_FRACTION = {"cuda": 0.85, "cpu": 0.25}
 
 
+def agree_dtype(dtype: torch.dtype) -> torch.dtype:
+    """One dtype for every rank: `auto` resolves per CPU, and nodes may differ. float32 when
+    they disagree (any CPU runs it, and it is the exact one)."""
+    codes = {torch.float32: 0, torch.float16: 1, torch.bfloat16: 2}
+    if tp_min(codes[dtype]) == -tp_min(-codes[dtype]):
+        return dtype
+    if get_tp_rank() == 0:
+        logger.warning("The ranks' CPUs chose different dtypes for --dtype auto; all run float32")
+    return torch.float32
+
+
 class ModelRunner:
     def __init__(self, model_config: ModelConfig, server_args: ServerArgs):
         self.model_config = model_config
         self.server_args = server_args
         self.device = resolve_device(server_args.device)
-        self.dtype = resolve_dtype(server_args.dtype, self.device, model_config.approx_num_params())
         self.tp_rank, self.tp_size = get_tp_rank(), get_tp_size()
+        self.dtype = agree_dtype(resolve_dtype(server_args.dtype, self.device, model_config.approx_num_params()))
         model_config.verify_tp(self.tp_size)
         self.load_model()
         self.init_memory_pool()
@@ -132,7 +144,9 @@ class ModelRunner:
                 budget = available_memory_bytes(self.device) - (1 - frac) * total
             else:
                 budget = frac * available_memory_bytes(self.device) - self.weight_bytes
-            capacity = int(budget // per_token)
+            # Every rank must hold the same number of slots (they schedule in lockstep); each
+            # measured its own free memory, on its own node.
+            capacity = tp_min(int(budget // per_token))
             if capacity < 16:
                 raise ValueError(
                     f"not enough memory for the KV cache ({budget / 2**20:.0f} MB budget); "
