@@ -229,7 +229,7 @@ class ServerArgs:
         if self.nnodes > 1 and not self.dist_init_addr:
             raise ValueError("--nnodes > 1 needs --dist-init-addr HOST:PORT (node 0's address, the same on every node)")
         if self.dist_init_addr:
-            from srt_lite.distributed.rendezvous import split_host_port
+            from srt_lite.utils import split_host_port
 
             split_host_port(self.dist_init_addr)
         if self.mem_fraction_static is not None and not 0 < self.mem_fraction_static < 1:

@@ -60,6 +60,20 @@ def get_free_port(host: str = "127.0.0.1") -> int:
         return s.getsockname()[1]
 
 
+def split_host_port(addr: str) -> tuple[str, int]:
+    """'HOST:PORT' or '[IPv6]:PORT' -> (host, port); ValueError with the reason otherwise."""
+    host, sep, port = addr.rpartition(":")
+    if not sep or not host or not port.isdigit():
+        raise ValueError(f"--dist-init-addr must be HOST:PORT, got {addr!r}")
+    if host.startswith("[") and host.endswith("]"):
+        host = host[1:-1]
+    elif ":" in host:
+        raise ValueError(f"--dist-init-addr: write an IPv6 address in brackets, [{host}]:{port}")
+    if not 0 < int(port) < 65536:
+        raise ValueError(f"--dist-init-addr port must be in 1..65535, got {port}")
+    return host, int(port)
+
+
 def cache_root() -> str:
     """Where converted models live: $SRT_LITE_CACHE, else ~/.cache/srt_lite."""
     return envs.CACHE_DIR.get() or os.path.join(

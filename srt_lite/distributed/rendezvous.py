@@ -19,25 +19,14 @@ import socket
 import torch.distributed as dist
 
 from srt_lite import envs
+from srt_lite.utils import split_host_port
+
+__all__ = ["bind_collectives_to", "interface_of", "is_wildcard", "local_address_towards", "open_store", "split_host_port"]
 
 logger = logging.getLogger(__name__)
 
 # Kept open for the life of the process: the store serves on this socket's file descriptor.
 _STORE_LISTENER: socket.socket | None = None
-
-
-def split_host_port(addr: str) -> tuple[str, int]:
-    """'HOST:PORT' or '[IPv6]:PORT' -> (host, port); ValueError with the reason otherwise."""
-    host, sep, port = addr.rpartition(":")
-    if not sep or not host or not port.isdigit():
-        raise ValueError(f"--dist-init-addr must be HOST:PORT, got {addr!r}")
-    if host.startswith("[") and host.endswith("]"):
-        host = host[1:-1]
-    elif ":" in host:
-        raise ValueError(f"--dist-init-addr: write an IPv6 address in brackets, [{host}]:{port}")
-    if not 0 < int(port) < 65536:
-        raise ValueError(f"--dist-init-addr port must be in 1..65535, got {port}")
-    return host, int(port)
 
 
 def is_wildcard(host: str) -> bool:
