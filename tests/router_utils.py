@@ -1,0 +1,122 @@
+"""SGLang's router (the `sglang-router` package) in front of srt_lite workers, for the router
+tests and benchmarks/bench_router.py (a helper module, not a test file)."""
+
+from __future__ import annotations
+
+import os
+import re
+import subprocess
+import sys
+import time
+
+import httpx
+
+from server_utils import _STARTED, ServerProcess
+from srt_lite.utils import get_free_port
+
+# Health checks every second and one failure marks a worker unhealthy: the router notices a
+# dead worker within about two seconds instead of its defaults' minutes (60 s, 3 failures).
+FAST_HEALTH_CHECKS = ("--health-check-interval-secs", "1", "--health-failure-threshold", "1")
+
+
+class RouterProcess:
+    """`python -m sglang_router.launch_router` on a free loopback port; a context manager."""
+
+    def __init__(self, worker_urls: list[str], policy: str = "cache_aware", *args: str):
+        self.port = get_free_port()
+        self.base_url = f"http://127.0.0.1:{self.port}"
+        self.worker_urls = worker_urls
+        self.log_path = f"/tmp/srt_lite_test_router_{self.port}.log"
+        self.log = open(self.log_path, "w+")
+        cmd = [
+            sys.executable, "-m", "sglang_router.launch_router", "--host", "127.0.0.1", "--port", str(self.port),
+            "--prometheus-host", "127.0.0.1", "--prometheus-port", str(get_free_port()),
+            "--worker-urls", *worker_urls, "--policy", policy, *args,
+        ]
+        # The router's log colours its levels only on a terminal; NO_COLOR keeps the file plain.
+        self.proc = subprocess.Popen(cmd, stdout=self.log, stderr=subprocess.STDOUT, env={**os.environ, "NO_COLOR": "1"})
+        _STARTED.append(self)  # killed at exit if a test fails before stopping it
+
+    def __enter__(self) -> "RouterProcess":
+        return self.wait_ready()
+
+    def __exit__(self, *exc) -> None:
+        self.stop()
+
+    def wait_ready(self, timeout: float = 60.0) -> "RouterProcess":
+        """Until every worker is registered and healthy (registration runs in the background
+        after the router starts listening)."""
+        deadline = time.monotonic() + timeout
+        while time.monotonic() < deadline:
+            if self.proc.poll() is not None:
+                raise RuntimeError(f"router exited with {self.proc.returncode}:\n{self.read_log()}")
+            try:
+                healthy = [w["url"] for w in self.workers() if w["is_healthy"]]
+                if sorted(healthy) == sorted(self.worker_urls):
+                    return self
+            except (httpx.HTTPError, ValueError, KeyError):
+                pass
+            time.sleep(0.25)
+        raise TimeoutError(f"router not ready:\n{self.read_log()}")
+
+    def workers(self) -> list[dict]:
+        return httpx.get(self.base_url + "/workers", timeout=5).json()["workers"]
+
+    def wait_unhealthy(self, url: str, timeout: float = 30.0) -> float:
+        """Seconds until the router marks `url` unhealthy."""
+        t0 = time.monotonic()
+        while time.monotonic() - t0 < timeout:
+            if any(w["url"] == url and not w["is_healthy"] for w in self.workers()):
+                return time.monotonic() - t0
+            time.sleep(0.1)
+        raise TimeoutError(f"the router still routes to {url} after {timeout} s:\n{self.read_log()[-3000:]}")
+
+    def read_log(self) -> str:
+        self.log.flush()
+        with open(self.log_path) as f:
+            return f.read()
+
+    def children(self) -> list:
+        return []
+
+    def stop(self) -> None:
+        if self.proc.poll() is None:
+            self.proc.terminate()
+            try:
+                self.proc.wait(10)
+            except subprocess.TimeoutExpired:
+                self.proc.kill()
+                self.proc.wait()
+        if not self.log.closed:
+            self.log.close()
+
+
+def start_workers(n: int, *args: str, env: dict | None = None) -> list[ServerProcess]:
+    """n srt_lite servers started together (their start-ups overlap), each ready."""
+    workers = [ServerProcess(*args, env=env) for _ in range(n)]
+    try:
+        for w in workers:
+            w.wait_ready(timeout=180)
+    except BaseException:
+        for w in workers:
+            w.__exit__(None, None, None)
+        raise
+    return workers
+
+
+def kill_worker(worker: ServerProcess) -> None:
+    """As a crash would end it: SIGKILL to the server and its children, no drain."""
+    for c in worker.children():
+        c.kill()
+    worker.proc.kill()
+    worker.proc.wait()
+
+
+_METRIC = re.compile(r"^srt_lite:(\w+)\{[^}]*\} ([0-9.e+-]+)$", re.M)
+
+
+def worker_counters(worker_url: str) -> dict[str, float]:
+    """A worker's Prometheus counters and gauges (needs --enable-metrics), by bare name:
+    num_requests_total, prompt_tokens_total, cached_tokens_total, ..."""
+    text = httpx.get(worker_url + "/metrics", timeout=10).text
+    return {name: float(value) for name, value in _METRIC.findall(text)}
