@@ -74,6 +74,8 @@ def test_models_and_model_info(make_client, default_model_dir):
     assert err["param"] == "model" and err["type"] == "invalid_request_error"
     info = client.get("/get_model_info").json()
     assert info["served_model_name"] == MODEL_NAME and info["max_context_length"] == 512
+    assert info["model_type"] == "llama" and info["architectures"] == ["LlamaForCausalLM"]
+    assert client.get("/model_info").json() == info  # SGLang's current name for it
 
 
 @pytest.mark.parametrize(

@@ -200,6 +200,13 @@ def test_local_ranks_per_node():
     assert ServerArgs(tp_size=3).local_tp_ranks() == range(0, 3)
 
 
+def test_engine_runs_on_node_0_only():
+    from srt_lite import Engine
+
+    with pytest.raises(ValueError, match="an Engine runs on node 0"):
+        Engine(tp_size=2, nnodes=2, node_rank=1, dist_init_addr="127.0.0.1:5000")
+
+
 def test_store_listens_on_the_given_address_only():
     import datetime
 

@@ -105,6 +105,16 @@ def test_info_endpoints(server):
     sinfo = httpx.get(server.base_url + "/get_server_info").json()
     assert sinfo["max_total_num_tokens"] == 8192 and sinfo["port"] == server.port
     assert sinfo["load"]["invariant_ok"] is True
+    # What sglang-router reads: the resolved model path and name (never the flags' None),
+    # under SGLang's current endpoint names too.
+    current = httpx.get(server.base_url + "/server_info").json()
+    assert current.keys() == sinfo.keys()
+    assert current["model_path"] == info["model_path"] and current["served_model_name"] == info["served_model_name"]
+    assert current["dp_size"] == 1 and current["tp_size"] == 1
+    assert httpx.get(server.base_url + "/model_info").json()["model_path"] == info["model_path"]
+    load = httpx.get(server.base_url + "/get_load").json()
+    assert len(load) == 1 and load[0].keys() == {"dp_rank", "num_reqs", "num_waiting_reqs", "num_tokens"}
+    assert load[0]["dp_rank"] == 0 and load[0]["num_reqs"] == 0 and load[0]["num_tokens"] >= 0
 
 
 def test_flush_cache_and_cached_tokens(server):
