@@ -3,15 +3,13 @@ tests and benchmarks/bench_router.py (a helper module, not a test file)."""
 
 from __future__ import annotations
 
-import os
 import re
-import subprocess
 import sys
 import time
 
 import httpx
 
-from server_utils import _STARTED, ServerProcess
+from server_utils import LoggedProcess, ServerProcess
 from srt_lite.utils import get_free_port
 
 # Health checks every second and one failure marks a worker unhealthy: the router notices a
@@ -19,23 +17,20 @@ from srt_lite.utils import get_free_port
 FAST_HEALTH_CHECKS = ("--health-check-interval-secs", "1", "--health-failure-threshold", "1")
 
 
-class RouterProcess:
+class RouterProcess(LoggedProcess):
     """`python -m sglang_router.launch_router` on a free loopback port; a context manager."""
 
     def __init__(self, worker_urls: list[str], policy: str = "cache_aware", *args: str):
         self.port = get_free_port()
         self.base_url = f"http://127.0.0.1:{self.port}"
         self.worker_urls = worker_urls
-        self.log_path = f"/tmp/srt_lite_test_router_{self.port}.log"
-        self.log = open(self.log_path, "w+")
         cmd = [
             sys.executable, "-m", "sglang_router.launch_router", "--host", "127.0.0.1", "--port", str(self.port),
             "--prometheus-host", "127.0.0.1", "--prometheus-port", str(get_free_port()),
             "--worker-urls", *worker_urls, "--policy", policy, *args,
         ]
-        # The router's log colours its levels only on a terminal; NO_COLOR keeps the file plain.
-        self.proc = subprocess.Popen(cmd, stdout=self.log, stderr=subprocess.STDOUT, env={**os.environ, "NO_COLOR": "1"})
-        _STARTED.append(self)  # killed at exit if a test fails before stopping it
+        # The router colours its log levels only on a terminal; NO_COLOR keeps the file plain.
+        super().__init__(cmd, f"router_{self.port}", {"NO_COLOR": "1"})
 
     def __enter__(self) -> "RouterProcess":
         return self.wait_ready()
@@ -70,25 +65,6 @@ class RouterProcess:
                 return time.monotonic() - t0
             time.sleep(0.1)
         raise TimeoutError(f"the router still routes to {url} after {timeout} s:\n{self.read_log()[-3000:]}")
-
-    def read_log(self) -> str:
-        self.log.flush()
-        with open(self.log_path) as f:
-            return f.read()
-
-    def children(self) -> list:
-        return []
-
-    def stop(self) -> None:
-        if self.proc.poll() is None:
-            self.proc.terminate()
-            try:
-                self.proc.wait(10)
-            except subprocess.TimeoutExpired:
-                self.proc.kill()
-                self.proc.wait()
-        if not self.log.closed:
-            self.log.close()
 
 
 def start_workers(n: int, *args: str, env: dict | None = None) -> list[ServerProcess]:

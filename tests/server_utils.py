@@ -15,7 +15,7 @@ import psutil
 from srt_lite.utils import get_free_port
 
 
-_STARTED: list["ServerProcess"] = []
+_STARTED: list["LoggedProcess"] = []
 
 
 @atexit.register
@@ -28,17 +28,48 @@ def _kill_leftovers() -> None:
             s.proc.kill()
 
 
-class ServerProcess:
+class LoggedProcess:
+    """A child process whose output goes to a log file, killed with its children at exit if a
+    test leaves it running."""
+
+    def __init__(self, cmd: list[str], log_name: str, env: dict | None = None):
+        self.log_path = f"/tmp/srt_lite_test_{log_name}.log"
+        self.log = open(self.log_path, "w+")
+        self.proc = subprocess.Popen(cmd, stdout=self.log, stderr=subprocess.STDOUT, env={**os.environ, **(env or {})})
+        _STARTED.append(self)
+
+    def read_log(self) -> str:
+        self.log.flush()
+        with open(self.log_path) as f:
+            return f.read()
+
+    def children(self) -> list[psutil.Process]:
+        try:
+            return psutil.Process(self.proc.pid).children(recursive=True)
+        except psutil.NoSuchProcess:
+            return []
+
+    def stop(self, sig: int = signal.SIGTERM, timeout: float = 10.0) -> int:
+        if self.proc.poll() is None:
+            self.proc.send_signal(sig)
+            try:
+                self.proc.wait(timeout)
+            except subprocess.TimeoutExpired:
+                self.proc.kill()
+                self.proc.wait()
+        if not self.log.closed:
+            self.log.close()
+        return self.proc.returncode
+
+
+class ServerProcess(LoggedProcess):
     """Use as a context manager so the server stops even when the test fails."""
 
     def __init__(self, *args: str, env: dict | None = None):
         self.port = get_free_port()
         self.base_url = f"http://127.0.0.1:{self.port}"
-        self.log_path = f"/tmp/srt_lite_test_server_{self.port}.log"
-        self.log = open(self.log_path, "w+")
         cmd = [sys.executable, "-m", "srt_lite.launch_server", "--port", str(self.port), *args]
-        self.proc = subprocess.Popen(cmd, stdout=self.log, stderr=subprocess.STDOUT, env={**os.environ, **(env or {})})
-        _STARTED.append(self)
+        super().__init__(cmd, f"server_{self.port}", env)
 
     def __enter__(self) -> "ServerProcess":
         return self.wait_ready()
@@ -65,17 +96,6 @@ class ServerProcess:
             time.sleep(0.25)
         raise TimeoutError(f"server not ready:\n{self.read_log()}")
 
-    def read_log(self) -> str:
-        self.log.flush()
-        with open(self.log_path) as f:
-            return f.read()
-
-    def children(self) -> list[psutil.Process]:
-        try:
-            return psutil.Process(self.proc.pid).children(recursive=True)
-        except psutil.NoSuchProcess:
-            return []
-
     def ipc_dir(self) -> str | None:
         """The server's private socket dir, found from its open unix sockets' paths."""
         for c in self.children():
@@ -83,15 +103,3 @@ class ServerProcess:
                 if conn.laddr and "srt_lite-" in conn.laddr:
                     return os.path.dirname(conn.laddr)
         return None
-
-    def stop(self, sig: int = signal.SIGTERM, timeout: float = 10.0) -> int:
-        if self.proc.poll() is None:
-            self.proc.send_signal(sig)
-            try:
-                self.proc.wait(timeout)
-            except subprocess.TimeoutExpired:
-                self.proc.kill()
-                self.proc.wait()
-        if not self.log.closed:
-            self.log.close()
-        return self.proc.returncode

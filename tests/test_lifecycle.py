@@ -60,7 +60,8 @@ def test_sigterm_drains_in_flight_requests_within_grace():
     /health get 503, then the server exits 0."""
     with ServerProcess(*ARGS, "--graceful-shutdown-timeout", "60") as s:
         children = s.children()
-        body = {"text": "Count", "stream": True, "sampling_params": {"max_new_tokens": 40, "ignore_eos": True}}
+        # Long enough (seconds) that both requests are still running when /health is asked.
+        body = {"text": "Count", "stream": True, "sampling_params": {"max_new_tokens": 200, "ignore_eos": True}}
         with ThreadPoolExecutor(1) as pool, httpx.stream("POST", s.base_url + "/generate", json=body, timeout=60) as r:
             other = pool.submit(httpx.post, s.base_url + "/generate", json={**body, "stream": False}, timeout=60)
             lines = r.iter_lines()
@@ -74,7 +75,7 @@ def test_sigterm_drains_in_flight_requests_within_grace():
             done = other.result()
         assert health.status_code == 503 and "shutting down" in health.json()["error"]["message"]
         assert refused.status_code == 503
-        assert meta["finish_reason"]["type"] == "length" and meta["completion_tokens"] == 40
+        assert meta["finish_reason"]["type"] == "length" and meta["completion_tokens"] == 200
         assert done.status_code == 200 and done.json()["meta_info"]["finish_reason"]["type"] == "length"
         assert s.proc.wait(30) == 0
         assert_gone(children, None)

@@ -8,7 +8,6 @@ from __future__ import annotations
 import os
 import signal
 import socket
-import subprocess
 import sys
 import time
 
@@ -17,7 +16,7 @@ import psutil
 import pytest
 import torch
 
-from server_utils import ServerProcess
+from server_utils import LoggedProcess, ServerProcess
 from srt_lite.distributed.rendezvous import interface_of, local_address_towards, open_store, split_host_port
 from srt_lite.server_args import ServerArgs
 from srt_lite.utils import get_free_port
@@ -47,33 +46,17 @@ def tiny_model(tmp_path_factory) -> str:
     return str(path)
 
 
-class FollowerNode:
+class FollowerNode(LoggedProcess):
     """A node with --node-rank > 0: no HTTP server to poll, just a process and its log."""
 
     def __init__(self, *args: str):
-        self.log_path = f"/tmp/srt_lite_test_node1_{os.getpid()}_{time.monotonic_ns()}.log"
-        self.log = open(self.log_path, "w+")
         cmd = [sys.executable, "-m", "srt_lite.launch_server", *args]
-        self.proc = subprocess.Popen(cmd, stdout=self.log, stderr=subprocess.STDOUT, env={**os.environ, **ENV})
-
-    def read_log(self) -> str:
-        self.log.flush()
-        with open(self.log_path) as f:
-            return f.read()
-
-    def children(self) -> list[psutil.Process]:
-        try:
-            return psutil.Process(self.proc.pid).children(recursive=True)
-        except psutil.NoSuchProcess:
-            return []
+        super().__init__(cmd, f"node1_{os.getpid()}_{time.monotonic_ns()}", ENV)
 
     def kill(self) -> None:
         for c in self.children():
             c.kill()
-        if self.proc.poll() is None:
-            self.proc.kill()
-        self.proc.wait()
-        self.log.close()
+        self.stop(signal.SIGKILL)
 
 
 def node_args(model: str, addr: str, rank: int) -> list[str]:
@@ -81,17 +64,17 @@ def node_args(model: str, addr: str, rank: int) -> list[str]:
             "--nnodes", "2", "--node-rank", str(rank), "--dist-init-addr", addr]
 
 
-def start_pair(model: str) -> tuple[ServerProcess, FollowerNode]:
+@pytest.fixture
+def pair(tiny_model):
+    """Node 0 (serving, ready) and node 1 of a fresh two-node server; both stopped after."""
     addr = f"127.0.0.1:{get_free_port()}"
-    follower = FollowerNode(*node_args(model, addr, 1))
-    head = ServerProcess(*node_args(model, addr, 0), env=ENV)
+    follower = FollowerNode(*node_args(tiny_model, addr, 1))
+    head = ServerProcess(*node_args(tiny_model, addr, 0), env=ENV)
     try:
-        head.wait_ready()
-    except BaseException:
+        yield head.wait_ready(), follower
+    finally:
+        head.__exit__(None, None, None)
         follower.kill()
-        head.stop()
-        raise
-    return head, follower
 
 
 def greedy(base_url: str) -> tuple[list[str], str]:
@@ -120,59 +103,51 @@ def listening_addresses(procs: list[psutil.Process]) -> set[str]:
     return found
 
 
-def test_two_nodes_serve_what_tp1_serves_and_stop_with_node_0(tiny_model):
+@pytest.fixture
+def tp1_greedy(tiny_model) -> tuple[list[str], str]:
     with ServerProcess("--model-path", tiny_model, "--dtype", "float32", "--max-total-tokens", "4096") as ref:
         expected = greedy(ref.base_url)
     assert len(set(expected[0])) == len(PROMPTS), "the prompts' continuations differ (a real comparison)"
-
-    head, follower = start_pair(tiny_model)
-    try:
-        head_procs = [psutil.Process(head.proc.pid), *head.children()]
-        follower_procs = [psutil.Process(follower.proc.pid), *follower.children()]
-        assert srt_lite_names(head.children()) == ["srt_lite::detokenizer", "srt_lite::scheduler_TP0"]
-        assert srt_lite_names(follower.children()) == ["srt_lite::scheduler_TP1"], "node 1 runs its rank only"
-        # The store, gloo's pairs and the HTTP server listen on loopback, never everywhere.
-        assert listening_addresses(head_procs + follower_procs) == {"127.0.0.1"}
-
-        assert greedy(head.base_url) == expected
-
-        assert head.stop() == 0  # SIGTERM to node 0
-        assert follower.proc.wait(30) == 0
-        assert "Node 0 stopped serving; node 1 exits" in follower.read_log()
-        gone, alive = psutil.wait_procs(head_procs[1:] + follower_procs[1:], timeout=10)
-        assert not alive, "no rank outlives its node"
-    finally:
-        head.stop()
-        follower.kill()
+    return expected
 
 
-def test_killed_follower_node_ends_node_0_with_an_error(tiny_model):
-    head, follower = start_pair(tiny_model)
-    try:
-        assert httpx.get(head.base_url + "/health", timeout=10).status_code == 200
-        follower.proc.send_signal(signal.SIGKILL)  # its rank gets SIGTERM from the kernel (parent death)
-        assert head.proc.wait(60) != 0
-        log = head.read_log()
-        assert "Scheduler TP0 lost contact with another rank" in log
-        assert "scheduler_TP0 died unexpectedly" in log
-    finally:
-        head.stop()
-        follower.kill()
+def test_two_nodes_serve_what_tp1_serves_and_stop_with_node_0(tp1_greedy, pair):
+    head, follower = pair
+    head_procs = [psutil.Process(head.proc.pid), *head.children()]
+    follower_procs = [psutil.Process(follower.proc.pid), *follower.children()]
+    assert srt_lite_names(head.children()) == ["srt_lite::detokenizer", "srt_lite::scheduler_TP0"]
+    assert srt_lite_names(follower.children()) == ["srt_lite::scheduler_TP1"], "node 1 runs its rank only"
+    # The store, gloo's pairs and the HTTP server listen on loopback, never everywhere.
+    assert listening_addresses(head_procs + follower_procs) == {"127.0.0.1"}
+
+    assert greedy(head.base_url) == tp1_greedy
+
+    assert head.stop() == 0  # SIGTERM to node 0
+    assert follower.proc.wait(30) == 0
+    assert "Node 0 stopped serving; node 1 exits" in follower.read_log()
+    gone, alive = psutil.wait_procs(head_procs[1:] + follower_procs[1:], timeout=10)
+    assert not alive, "no rank outlives its node"
 
 
-def test_dead_node_0_ends_the_follower_with_an_error(tiny_model):
-    head, follower = start_pair(tiny_model)
-    try:
-        rank0 = next(p for p in head.children() if p.name() == "srt_lite::scheduler_TP0")
-        rank0.kill()  # node 0's rank crashes: no shutdown message reaches node 1
-        assert follower.proc.wait(60) == 1
-        log = follower.read_log()
-        assert "Scheduler TP1 lost contact with another rank" in log
-        assert "scheduler_TP1 exited with code 1" in log
-        assert head.proc.wait(30) != 0
-    finally:
-        head.stop()
-        follower.kill()
+def test_killed_follower_node_ends_node_0_with_an_error(pair):
+    head, follower = pair
+    assert httpx.get(head.base_url + "/health", timeout=10).status_code == 200
+    follower.proc.send_signal(signal.SIGKILL)  # its rank gets SIGTERM from the kernel (parent death)
+    assert head.proc.wait(60) != 0
+    log = head.read_log()
+    assert "Scheduler TP0 lost contact with another rank" in log
+    assert "scheduler_TP0 died unexpectedly" in log
+
+
+def test_dead_node_0_ends_the_follower_with_an_error(pair):
+    head, follower = pair
+    rank0 = next(p for p in head.children() if p.name() == "srt_lite::scheduler_TP0")
+    rank0.kill()  # node 0's rank crashes: no shutdown message reaches node 1
+    assert follower.proc.wait(60) == 1
+    log = follower.read_log()
+    assert "Scheduler TP1 lost contact with another rank" in log
+    assert "scheduler_TP1 exited with code 1" in log
+    assert head.proc.wait(30) != 0
 
 
 # ---- the rendezvous, without a server -----------------------------------------------------

@@ -75,6 +75,12 @@ def exit_together(code: int = 0) -> None:
     threads, which then call std::terminate (SIGABRT instead of a clean exit)."""
     if _TP_SIZE > 1 and dist.is_initialized():
         dist.barrier()
+    exit_now(code)
+
+
+def exit_now(code: int) -> None:
+    """Ends this process at once, logs flushed, without C++ teardown (see exit_together): a
+    rank whose peer is gone must not abort on its way out."""
     logging.shutdown()
     sys.stdout.flush()
     sys.stderr.flush()

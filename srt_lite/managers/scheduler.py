@@ -25,7 +25,7 @@ import torch
 from srt_lite import cpu_caps, envs
 from srt_lite.constrained import backend_class
 from srt_lite.constrained.reasoning import ThinkTags
-from srt_lite.distributed.parallel_state import exit_together, init_distributed, is_peer_lost
+from srt_lite.distributed.parallel_state import exit_now, exit_together, init_distributed, is_peer_lost
 from srt_lite.managers.io_struct import (
     AbortReq,
     FlushCacheReq,
@@ -311,6 +311,8 @@ def run_scheduler_process(server_args: ServerArgs, port_args: PortArgs, tp_rank:
             pipe.send(("error", f"{type(e).__name__}: {e}"))
         except (OSError, BrokenPipeError):
             pass
+        if tp:
+            exit_now(1)
         raise SystemExit(1)
 
 
