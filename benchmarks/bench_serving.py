@@ -37,6 +37,55 @@ WORDS = ("time person year way day thing man world life hand part child eye woma
          "music science history language computer garden winter summer animal market story idea").split()
 
 RESULTS_DIR = Path(__file__).resolve().parent / "results"
+
+# The chat workload's prompts (--dataset instructions): varied natural requests, each answered
+# at the length the model chooses (EOS allowed), as users send them.
+INSTRUCTIONS = [
+    "Explain how a rainbow forms.",
+    "Summarise the plot of Romeo and Juliet in three sentences.",
+    "List five tips for staying focused while studying.",
+    "Write a short poem about the sea at night.",
+    "Write a polite email asking my manager for a day off next Friday.",
+    "What is the difference between weather and climate?",
+    "Give me a recipe for a simple tomato pasta.",
+    "Explain what a computer's memory does, for a ten-year-old.",
+    "Describe a busy market in a few sentences.",
+    "What are three benefits of regular exercise?",
+    "Write a haiku about autumn leaves.",
+    "How do I make a good first impression at a job interview?",
+    "Explain photosynthesis in simple words.",
+    "Suggest three names for a small coffee shop.",
+    "Summarise why people keep pets.",
+    "Write a thank-you note to a friend who helped me move.",
+    "What should I pack for a weekend hiking trip?",
+    "Explain how a bicycle stays upright.",
+    "Give me four ideas for a rainy afternoon with kids.",
+    "Write a short story about a lost key, in five sentences.",
+    "What is a good way to start learning to cook?",
+    "Explain what the internet is to someone from 1900.",
+    "List the planets of the solar system with one fact each.",
+    "Write a limerick about a cat who loves cheese.",
+    "How can I save money on groceries?",
+    "Explain why the sky is blue.",
+    "Write a short speech for a friend's birthday dinner.",
+    "What are the main causes of traffic jams?",
+    "Describe your ideal weekend in a paragraph.",
+    "Give three arguments for reading books every day.",
+    "Write an email to a neighbour about a noisy party, kindly.",
+    "Explain how vaccines help the body.",
+    "Summarise the benefits of drinking water.",
+    "List five common mistakes new drivers make.",
+    "Write a short poem about a city waking up.",
+    "How do plants know which way is up?",
+    "Explain what a budget is and why it helps.",
+    "Give me a plan for learning a new language in six months.",
+    "Describe the taste of a lemon to someone who never had one.",
+    "Write a product description for a reusable water bottle.",
+    "What makes a good friend?",
+    "Explain how a refrigerator keeps food cold.",
+    "List four ways to reduce stress at work.",
+    "Write a bedtime story about a brave little owl.",
+]
 WARMUP_OUTPUT_LEN = 8  # warmup only has to touch every code path, not to be long
 
 
@@ -45,6 +94,7 @@ class RequestInput:
     prompt: str | list[int]
     # Known locally only for token-id prompts; text prompts rely on the server's usage.
     prompt_len: int | None = None
+    seed: int | None = None  # with --seed-per-request: this request's sampling seed
 
 
 @dataclass
@@ -78,26 +128,48 @@ def make_id_prompts(num: int, input_len: int, seed: int, low: int, high: int) ->
     return [RequestInput([rng.randrange(low, high) for _ in range(input_len)], input_len) for _ in range(num)]
 
 
+def make_instruction_prompts(num: int, seed: int) -> list[RequestInput]:
+    """`num` of INSTRUCTIONS in a seeded order (every one before any repeats)."""
+    rng = random.Random(seed)
+    out: list[RequestInput] = []
+    while len(out) < num:
+        batch = list(INSTRUCTIONS)
+        rng.shuffle(batch)
+        out += [RequestInput(text) for text in batch]
+    return out[:num]
+
+
 def build_dataset(args: argparse.Namespace, num: int, seed: int, shared_prefix: bool = True) -> list[RequestInput]:
     if args.dataset == "random-ids":
-        return make_id_prompts(num, args.input_len, seed, args.min_token_id, args.max_token_id)
-    return make_word_prompts(num, args.input_words, seed, args.shared_prefix_words if shared_prefix else 0)
+        reqs = make_id_prompts(num, args.input_len, seed, args.min_token_id, args.max_token_id)
+    elif args.dataset == "instructions":
+        reqs = make_instruction_prompts(num, seed)
+    else:
+        reqs = make_word_prompts(num, args.input_words, seed, args.shared_prefix_words if shared_prefix else 0)
+    if args.seed_per_request:
+        for i, req in enumerate(reqs):
+            req.seed = seed * 100_003 + i
+    return reqs
 
 
 # ---- one request ------------------------------------------------------------------------
 
 
-def request_body(args: argparse.Namespace, prompt: str | list[int], output_len: int) -> tuple[str, dict]:
+def request_body(args: argparse.Namespace, prompt: str | list[int], output_len: int, seed: int | None = None) -> tuple[str, dict]:
     body = {
         "model": args.model,
         "max_tokens": output_len,
         "temperature": args.temperature,
+        "top_p": args.top_p,
         "stream": True,
         "stream_options": {"include_usage": True},
-        "ignore_eos": True,
-        # Servers that ignore `ignore_eos` still cannot stop early when EOS is unsampleable.
-        "logit_bias": {str(t): -100 for t in args.ban},
     }
+    if seed is not None:
+        body["seed"] = seed
+    if not args.allow_eos:
+        body["ignore_eos"] = True
+        # Servers that ignore `ignore_eos` still cannot stop early when EOS is unsampleable.
+        body["logit_bias"] = {str(t): -100 for t in args.ban}
     if args.backend == "chat":
         body["messages"] = [{"role": "user", "content": prompt}]
         body["max_completion_tokens"] = output_len  # newer servers prefer it over max_tokens
@@ -117,7 +189,7 @@ def chunk_text(choice: dict, backend: str) -> str:
 async def send_request(
     client: httpx.AsyncClient, args: argparse.Namespace, req: RequestInput, output_len: int
 ) -> RequestOutput:
-    path, body = request_body(args, req.prompt, output_len)
+    path, body = request_body(args, req.prompt, output_len, req.seed)
     return await stream_request(client, args.base_url + path, body, args.backend, req.prompt_len)
 
 
@@ -230,6 +302,8 @@ def summarize(outputs: list[RequestOutput], duration: float, expected_output_len
         "input_tokens_reported": len(input_known),
         "total_output_tokens": total_output,
         "wrong_output_len": sum(o.output_len != expected_output_len for o in ok),
+        # Engines stop at different places when EOS is allowed: compare tok/s with this.
+        "mean_output_len": total_output / len(ok) if ok else float("nan"),
         "request_throughput": len(ok) / duration,
         "input_throughput": total_input / duration,
         "output_throughput": total_output / duration,
@@ -328,6 +402,7 @@ def print_report(result: dict) -> None:
             else f" ({result['input_tokens_reported']} requests reported)")),
         ("Total generated tokens", str(result["total_output_tokens"])),
         ("Requests with output != --output-len", str(result["wrong_output_len"])),
+        ("Mean output length (tokens)", f"{result['mean_output_len']:.1f}"),
         ("Request throughput (req/s)", f"{result['request_throughput']:.2f}"),
         ("Input token throughput (tok/s)", f"{result['input_throughput']:.2f}"),
         ("Output token throughput (tok/s)", f"{result['output_throughput']:.2f}"),
@@ -374,7 +449,8 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     g.add_argument("--api-key", default=None, help="sent as a Bearer token")
     g.add_argument("--timeout", type=float, default=600.0, help="per-request timeout in seconds")
     g = ap.add_argument_group("dataset")
-    g.add_argument("--dataset", choices=["random-words", "random-ids"], default="random-words")
+    g.add_argument("--dataset", choices=["random-words", "random-ids", "instructions"], default="random-words",
+                   help="instructions: varied natural chat requests (INSTRUCTIONS), for --backend chat")
     g.add_argument("--num-prompts", type=int, default=64)
     g.add_argument("--input-words", type=int, default=200, help="random-words: words per prompt")
     g.add_argument("--shared-prefix-words", type=int, default=0,
@@ -388,6 +464,11 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     g = ap.add_argument_group("sampling")
     g.add_argument("--output-len", type=int, default=128, help="tokens generated by every request")
     g.add_argument("--temperature", type=float, default=0.0)
+    g.add_argument("--top-p", type=float, default=1.0)
+    g.add_argument("--seed-per-request", action="store_true",
+                   help="send a sampling seed with each request (the same requests get the same seeds)")
+    g.add_argument("--allow-eos", action="store_true",
+                   help="let requests end at EOS (realistic chat) instead of running to --output-len")
     g.add_argument("--ban", type=int, nargs="*", default=[0, 2],
                    help="token ids banned with logit_bias -100 (the EOS ids), so that every request "
                         "runs to --output-len even on servers without ignore_eos")

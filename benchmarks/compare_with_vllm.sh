@@ -1,5 +1,5 @@
 #!/usr/bin/env bash
-# W1-W3 against srt_lite (default flags, with n-gram speculative decoding, and with n-gram
+# The workloads of run_workloads.sh (chat c1/c8, W1-W3) against srt_lite (default flags, with n-gram speculative decoding, and with n-gram
 # plus torch.compile) and then vLLM's CPU build, one after the other on the same machine, so they can be compared as
 # ratios (the machine is noisy; never compare across runs).
 #   benchmarks/compare_with_vllm.sh LABEL [VLLM_PYTHON]
@@ -14,7 +14,7 @@ root=$(cd "$(dirname "$0")/.." && pwd)
 py=$root/.venv/bin/python
 model=$($py -c "from srt_lite.model_loader.default_model import resolve_model_path; print(resolve_model_path(None))")
 
-workloads=${WORKLOADS:-W1 W2 W3}
+workloads=${WORKLOADS:-CHAT1 CHAT8 W1 W2 W3}
 rounds=${ROUNDS:-1}
 
 wait_health() { until curl -sf "$1/health" >/dev/null; do sleep 2; done; }

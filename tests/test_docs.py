@@ -27,6 +27,9 @@ from server_utils import ServerProcess
 ROOT = Path(__file__).resolve().parent.parent
 ALL_DOCS = [ROOT / "README.md", *sorted((ROOT / "docs").glob("*.md"))]
 PLACEHOLDER_MODEL = "/path/to/Qwen3-0.6B"
+# bench_1b_shape.py's model: written by the docs' `make` command (shortened to a tiny shape)
+# into the test's own directory, never over a real one.
+PLACEHOLDER_1B = "/path/to/llama-1b-shape"
 
 # Commands not run here, and why.
 NOT_RUN = {
@@ -58,6 +61,8 @@ SHORTEN = {
     "bench_forward.py": "--batch-sizes 1,2 --context 16 --prefill 16 --steps 1 --max-total-tokens 1024",
     "bench_sampler.py": "--batch 4 --iters 2",
     "bench_router.py": "--groups 2 --per-group 2 --prefix-words 40 --output-len 4 --failover-seconds 5 --kill-after 2 --output {tmp}/router.json",
+    "bench_1b_shape.py make": "--hidden 64 --layers 2 --heads 4 --kv-heads 2 --intermediate 128",
+    "bench_1b_shape.py run": "--buffer-gib 0.05 --output {tmp}/1b.json --extra --num-prompts 2 --output-len 4 --warmup 0",
 }
 SHORT_EXPECT = {
     "run_workloads.sh": "Successful requests:",
@@ -67,6 +72,8 @@ SHORT_EXPECT = {
     "bench_forward.py": "decode  B=2",
     "bench_sampler.py": "ratio loop / batched step",
     "bench_router.py": "after_notice",
+    "bench_1b_shape.py make": "wrote",
+    "bench_1b_shape.py run": "of the roofline",
 }
 
 
@@ -145,7 +152,7 @@ def test_doc_commands(doc: Path, tmp_path, reasoner):
         return servers[-1]
 
     def local(text: str) -> str:
-        text = text.replace(PLACEHOLDER_MODEL, reasoner)
+        text = text.replace(PLACEHOLDER_MODEL, reasoner).replace(PLACEHOLDER_1B, str(tmp_path / "llama-1b-shape"))
         return text.replace("127.0.0.1:30000", server().base_url.removeprefix("http://")) if "30000" in text else text
 
     try:
@@ -164,7 +171,7 @@ def test_doc_commands(doc: Path, tmp_path, reasoner):
                 skip = [k for k in NOT_RUN if k in cmd]
                 if skip:
                     continue
-                args = launch_args(cmd.replace(PLACEHOLDER_MODEL, reasoner))
+                args = launch_args(cmd.replace(PLACEHOLDER_MODEL, reasoner).replace(PLACEHOLDER_1B, str(tmp_path / "llama-1b-shape")))
                 if args is not None:
                     servers.append(ServerProcess(*args).__enter__())  # healthy, or this raises
                     continue
