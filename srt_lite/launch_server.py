@@ -43,7 +43,6 @@ def launch_server(server_args: ServerArgs) -> int:
     from srt_lite.entrypoints.launcher import launch_subprocesses
     from srt_lite.managers.tokenizer_manager import TokenizerManager
     from srt_lite.metrics import MetricsCollector
-    from srt_lite.model_config import ModelConfig
 
     if server_args.node_rank > 0:
         from srt_lite.entrypoints.launcher import run_follower_node
@@ -58,8 +57,7 @@ def launch_server(server_args: ServerArgs) -> int:
         name = served_name(server_args, launch.model_dir)
         metrics = MetricsCollector(name) if server_args.enable_metrics else None
         tm = TokenizerManager(server_args, launch.port_args, launch.model_dir, launch.info, metrics=metrics)
-        defaults = ModelConfig.load(launch.model_dir).generation_defaults
-        state = ServerState(tm, launch.model_dir, name, defaults)
+        state = ServerState(tm, launch.model_config, name)
         config = uvicorn.Config(
             build_app(state),
             host=server_args.host,

@@ -117,6 +117,14 @@ def die_with_parent(sig: int) -> None:
         pass
 
 
+def die_of_sigterm() -> None:
+    """Ends this process as SIGTERM's default action does (the parent sees -SIGTERM)."""
+    import signal
+
+    signal.signal(signal.SIGTERM, signal.SIG_DFL)
+    os.kill(os.getpid(), signal.SIGTERM)
+
+
 def set_process_title(title: str) -> None:
     try:
         import setproctitle
@@ -139,8 +147,7 @@ def init_child_process(title: str, ipc_dir: str) -> None:
 
     def on_sigterm(signum, frame) -> None:
         shutil.rmtree(ipc_dir, ignore_errors=True)
-        signal.signal(signal.SIGTERM, signal.SIG_DFL)
-        os.kill(os.getpid(), signal.SIGTERM)
+        die_of_sigterm()
 
     import multiprocessing
 

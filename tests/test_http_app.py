@@ -13,6 +13,7 @@ from starlette.testclient import TestClient
 from srt_lite.entrypoints.http_server import ServerState, build_app
 from srt_lite.managers.io_struct import SchedulerReady
 from srt_lite.managers.tokenizer_manager import TokenizerManager
+from srt_lite.model_config import ModelConfig
 from srt_lite.server_args import PortArgs, ServerArgs
 
 MODEL_NAME = "test-model"
@@ -29,7 +30,7 @@ def make_client(default_model_dir):
             vocab_size=49152, device="cpu", dtype="float32",
         )
         tm = TokenizerManager(ServerArgs(**args), port_args, default_model_dir, info)
-        state = ServerState(tm, default_model_dir, MODEL_NAME)
+        state = ServerState(tm, ModelConfig.load(default_model_dir), MODEL_NAME)
         client = TestClient(build_app(state), raise_server_exceptions=False).__enter__()
         made.append((client, tm, port_args))
         return client, state

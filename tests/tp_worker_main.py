@@ -11,7 +11,7 @@ import torch
 sys.path.insert(0, os.path.dirname(__file__))
 
 from model_harness import Harness  # noqa: E402
-from srt_lite.distributed.parallel_state import destroy_distributed, init_distributed  # noqa: E402
+from srt_lite.distributed.parallel_state import exit_together, init_distributed  # noqa: E402
 from srt_lite.model_config import ModelConfig  # noqa: E402
 from srt_lite.model_executor.model_runner import ModelRunner  # noqa: E402
 from srt_lite.server_args import ServerArgs  # noqa: E402
@@ -35,7 +35,7 @@ def main(model_dir: str, rank: int, tp: int, port: int, out: str, steps: int) ->
         logits.append(step)
     if rank == 0:
         torch.save({"logits": logits, "tokens": tokens}, out)
-    destroy_distributed()
+    exit_together(0)
 
 
 if __name__ == "__main__":

@@ -57,17 +57,6 @@ def is_peer_lost(e: BaseException) -> bool:
     return isinstance(e, RuntimeError) and any(m in text for m in _PEER_LOST_MARKERS)
 
 
-def destroy_distributed() -> None:
-    """Leaves the TP group once every rank got here. A rank that just exits while another
-    still talks to it can end in gloo's connection threads calling std::terminate (SIGABRT
-    at exit, seen once in CI's tensor-parallel test)."""
-    global _CPU_GROUP
-    if _TP_SIZE > 1 and dist.is_initialized():
-        dist.barrier()
-        dist.destroy_process_group()
-        _CPU_GROUP = None
-
-
 def exit_together(code: int = 0) -> None:
     """Ends this process once every rank got here. Past the barrier no rank needs another,
     and the process ends without C++ teardown: destroying gloo's process group (or letting

@@ -12,9 +12,7 @@ from __future__ import annotations
 import asyncio
 import dataclasses
 import hmac
-import json
 import logging
-import os
 from importlib.metadata import PackageNotFoundError, version
 from typing import Any, AsyncIterator
 
@@ -32,6 +30,7 @@ from srt_lite.entrypoints.openai.serving_models import list_models, retrieve_mod
 from srt_lite.managers.generate_request import normalize_generate_request
 from srt_lite.managers.tokenizer_manager import TokenizerManager
 from srt_lite.managers.validation import LogprobOptions, RequestError
+from srt_lite.model_config import ModelConfig
 
 logger = logging.getLogger(__name__)
 
@@ -45,24 +44,23 @@ class ServerState:
     def __init__(
         self,
         tokenizer_manager: TokenizerManager,
-        model_dir: str,
+        model_config: ModelConfig,
         served_model_name: str,
-        generation_defaults: dict | None = None,
     ):
         args = tokenizer_manager.server_args
         self.tm = tokenizer_manager
-        self.model_dir = model_dir
+        model_dir = self.model_dir = model_config.path
+        self.hf_config = model_config.hf_config
         self.served_model_name = served_model_name
         # Names a request's `model` may use: the served name and the path it was started with.
         self.model_names = {served_model_name, model_dir} | ({args.model_path} if args.model_path else set())
-        self.generation_defaults = generation_defaults or {}
+        self.generation_defaults = model_config.generation_defaults
         self.reasoning_parser = args.reasoning_parser
         self.tool_call_parser = args.tool_call_parser
         self.enable_cache_report = args.enable_cache_report
         self.api_key = args.api_key
         self.max_request_bytes = args.max_request_bytes
         self.chat_template = open(args.chat_template).read() if args.chat_template else None
-        self.hf_config = _read_hf_config(model_dir)
         self.dead: str | None = None  # why the server cannot serve (a child process died)
 
     def unavailable(self) -> str | None:
@@ -70,14 +68,6 @@ class ServerState:
         if self.dead:
             return self.dead
         return "the server is shutting down" if self.tm.draining else None
-
-
-def _read_hf_config(model_dir: str) -> dict:
-    try:
-        with open(os.path.join(model_dir, "config.json")) as f:
-            return json.load(f)
-    except (OSError, ValueError):
-        return {}
 
 
 def _server(request: Request) -> ServerState:
@@ -116,8 +106,8 @@ async def get_model_info(request: Request) -> Response:
         "served_model_name": state.served_model_name,
         "is_generation": True,
         "max_context_length": state.tm.context_len,
-        "model_type": state.hf_config.get("model_type"),
-        "architectures": state.hf_config.get("architectures"),
+        "model_type": getattr(state.hf_config, "model_type", None),
+        "architectures": getattr(state.hf_config, "architectures", None),
     })
 
 

@@ -86,8 +86,12 @@ class Subprocesses:
 class LaunchResult:
     procs: Subprocesses
     port_args: PortArgs
-    model_dir: str
+    model_config: ModelConfig
     info: SchedulerReady
+
+    @property
+    def model_dir(self) -> str:
+        return self.model_config.path
 
 
 def launch_subprocesses(server_args: ServerArgs) -> LaunchResult:
@@ -95,7 +99,8 @@ def launch_subprocesses(server_args: ServerArgs) -> LaunchResult:
     this node's scheduler rank(s) and, on node 0, the detokenizer, and waits until every one
     is ready."""
     model_dir = resolve_model_path(server_args.model_path)
-    ModelConfig.load(model_dir, server_args.context_length).verify_tp(server_args.tp_size)
+    model_config = ModelConfig.load(model_dir, server_args.context_length)
+    model_config.verify_tp(server_args.tp_size)
     child_args = dataclasses.replace(server_args, model_path=model_dir)
     port_args = PortArgs.create(server_args.tp_size, server_args.dist_init_addr)
     procs = Subprocesses(port_args)
@@ -116,7 +121,7 @@ def launch_subprocesses(server_args: ServerArgs) -> LaunchResult:
         os.path.basename(model_dir.rstrip("/")), info.max_total_num_tokens, info.max_context_len,
         info.dtype, info.device,
     )
-    return LaunchResult(procs, port_args, model_dir, info)
+    return LaunchResult(procs, port_args, model_config, info)
 
 
 def run_follower_node(server_args: ServerArgs) -> int:

@@ -51,7 +51,7 @@ from srt_lite.sampling.sampling_batch_info import SamplingBatchInfo
 from srt_lite.sampling.sampling_params import SamplingParams
 from srt_lite.server_args import PortArgs, ServerArgs
 from srt_lite.speculative.ngram import NgramProposer, no_drafts
-from srt_lite.utils import configure_logging, init_child_process, resolve_device
+from srt_lite.utils import configure_logging, die_of_sigterm, init_child_process, resolve_device
 
 logger = logging.getLogger(__name__)
 
@@ -322,14 +322,10 @@ def stop_on_sigterm(io: SchedulerIO, ipc_dir: str) -> None:
     other ranks wait for that message. A rank that did not hear it within STOP_GRACE_S (rank 0
     stuck, or gone) dies as a plain SIGTERM would have ended it."""
 
-    def die() -> None:
-        signal.signal(signal.SIGTERM, signal.SIG_DFL)
-        os.kill(os.getpid(), signal.SIGTERM)
-
     def on_sigterm(signum, frame) -> None:
         shutil.rmtree(ipc_dir, ignore_errors=True)
         io.request_stop()
-        timer = threading.Timer(STOP_GRACE_S, die)
+        timer = threading.Timer(STOP_GRACE_S, die_of_sigterm)
         timer.daemon = True
         timer.start()
 
