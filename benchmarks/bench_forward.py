@@ -29,6 +29,7 @@ def build_runner(args: argparse.Namespace) -> ModelRunner:
     sargs = ServerArgs(
         model_path=resolve_model_path(args.model_path),
         dtype=args.dtype,
+        quantization=args.quantization,
         max_total_tokens=args.max_total_tokens,
         max_running_requests=max(args.batch_sizes) + 1,
     )
@@ -68,6 +69,7 @@ def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     parser.add_argument("--model-path", default=None)
     parser.add_argument("--dtype", default="auto")
+    parser.add_argument("--quantization", default=None, choices=["gguf", "none"])
     parser.add_argument("--batch-sizes", default="1,4,16", type=lambda s: [int(x) for x in s.split(",")])
     parser.add_argument("--context", type=int, default=300, help="KV tokens per request before the decode step")
     parser.add_argument("--shared-prefix", type=int, default=0, help="KV slots every decode row shares (a radix-cache hit)")

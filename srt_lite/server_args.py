@@ -48,6 +48,15 @@ class ServerArgs:
         "Model",
         choices=["auto", "float32", "bfloat16", "float16"],
     )
+    quantization: str | None = _arg(
+        None,
+        "Weight quantization. Default: the checkpoint's own, i.e. a GGUF file's Q4_0/Q4_1 "
+        "linears keep their 4-bit weights on a CPU (used for decode steps of one or two "
+        "tokens) and everything else loads dequantized. gguf: the same, and refuse a "
+        "checkpoint that is not a GGUF file. none: dequantize everything (the old behaviour).",
+        "Model",
+        choices=["gguf", "none"],
+    )
     # HTTP server
     host: str = _arg("127.0.0.1", "Address to bind.", "HTTP server")
     port: int = _arg(30000, "Port to bind.", "HTTP server")

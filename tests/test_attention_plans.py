@@ -29,8 +29,8 @@ def make_batch(rows: list[tuple[int, int]], shared: int, dtype: torch.dtype = to
     """A step of rows (prefix length, new tokens) whose first `shared` KV slots (at most
     their prefix) are the same slots, as a radix-cache hit lays them out; the rest are each
     row's own."""
-    r2t = ReqToTokenPool(len(rows) + 1, 512, "cpu")
-    kv = TokenToKVPool(4096, 1, HKV, HEAD_DIM, dtype, "cpu")
+    r2t = ReqToTokenPool(len(rows) + 1, 1024, "cpu")
+    kv = TokenToKVPool(16384, 1, HKV, HEAD_DIM, dtype, "cpu")
     common = torch.arange(1, shared + 1)  # [shared]
     nxt, pool_rows, locs = shared + 1, [], []
     for p, e in rows:
@@ -63,14 +63,16 @@ def _r(a: int, b: int) -> list[int]:
 # name: (rows as (prefix, new tokens), shared slots, plan without the C++ op, with it (bf16 /
 # fp32 KV), with it but a KV dtype it does not compute (fp16)); None = as without.
 PINNED = {
-    "decode": ([(30, 1), (50, 1), (7, 1), (90, 1)], 0, [("decode", None, 0)], None, None),
-    "decode_short_shared_prefix": ([(40, 1)] * 4, 32, [("decode", None, 0)], None, None),
-    "decode_one_row": ([(30, 1)], 0, [("decode", None, 0)], None, None),
+    "decode": ([(30, 1), (50, 1), (7, 1), (90, 1)], 0, [("decode", None, 0)], [("cpp_cascade", None, 0)], None),
+    "decode_short_shared_prefix": ([(40, 1)] * 4, 32, [("decode", None, 0)], [("cpp_cascade", None, 0)], None),
+    "decode_one_row": ([(30, 1)], 0, [("decode", None, 0)], [("cpp_cascade", None, 0)], None),
+    "decode_rows_past_the_pairs_bound": ([(450, 1)] * 20, 0, [("decode", None, 0)], [("cpp_cascade", None, 0)], None),
     "fresh_prompt": ([(0, 40)], 0, [("prefill", None, 0)], None, None),
     "two_prompts": ([(0, 20), (0, 40)], 0, [("extend", None, 0)], None, None),
-    "two_short_prompts": ([(0, 5), (0, 9)], 0, [("folded", None, 0)], None, None),
-    "verify_rows": ([(50, 4), (60, 6)], 0, [("folded", None, 0)], None, None),
-    "cached_prefix_extend": ([(40, 30)], 0, [("extend", None, 0)], None, None),
+    "two_short_prompts": ([(0, 5), (0, 9)], 0, [("folded", None, 0)], [("cpp_cascade", None, 0)], None),
+    "verify_rows": ([(50, 4), (60, 6)], 0, [("folded", None, 0)], [("cpp_cascade", None, 0)], None),
+    "verify_rows_many_pairs": ([(1000, 8)] * 4, 0, [("folded", None, 0)], None, None),
+    "cached_prefix_extend": ([(40, 30)], 0, [("extend", None, 0)], [("cpp_cascade", None, 0)], None),
     "chunk_and_decode_rows": (
         [(0, 100), (30, 1), (40, 1), (50, 1)], 0, [("decode", _r(100, 103), 0), ("prefill", _r(0, 100), 0)], None, None,
     ),
@@ -104,7 +106,8 @@ PINNED = {
         [("token_cascade", _r(0, 14), 80), ("prefill", _r(14, 114), 0)], None, None,
     ),
     "short_rows_of_every_kind_on_a_short_shared_prefix": (
-        [(40, 1), (40, 4), (40, 9)], 40, [("decode", [0], 0), ("folded", _r(1, 14), 0)], None, None,
+        [(40, 1), (40, 4), (40, 9)], 40, [("decode", [0], 0), ("folded", _r(1, 14), 0)], [("cpp_cascade", None, 0)],
+        None,
     ),
 }
 
@@ -159,8 +162,11 @@ def test_rule_looks_up_shared_slots_only_for_groups_that_could_cascade():
 
 
 def test_rule_cascades_over_a_long_shared_prefix_only():
-    short = _choose([1] * 4, [40] * 4, shared=CASCADE_MIN_PREFIX - 1, cpp=True)
+    short = _choose([1] * 4, [40] * 4, shared=CASCADE_MIN_PREFIX - 1)
     assert short == [([0, 1, 2, 3], PlanKind.DECODE, 0)]
+    # With the C++ op, rows that share too little each attend their own keys there.
+    short = _choose([1] * 4, [40] * 4, shared=CASCADE_MIN_PREFIX - 1, cpp=True)
+    assert short == [([0, 1, 2, 3], PlanKind.CPP_CASCADE, 0)]
     # Equal decode rows: padding costs nothing, so the padded cascade (or the C++ op).
     assert _choose([1] * 6, [80] * 6, shared=80) == [(list(range(6)), PlanKind.CASCADE, 80)]
     assert _choose([1] * 6, [80] * 6, shared=80, cpp=True) == [(list(range(6)), PlanKind.CPP_CASCADE, 80)]
@@ -179,8 +185,15 @@ def test_rule_uses_the_cpp_op_only_for_a_steps_only_group():
 
 
 def test_rule_mixed_short_rows_without_a_worthwhile_prefix_go_by_kind():
-    got = _choose([1, 4, 9], [40] * 3, shared=40, cpp=True)
+    got = _choose([1, 4, 9], [40] * 3, shared=40)
     assert got == [([0], PlanKind.DECODE, 0), ([1, 2], PlanKind.FOLDED, 0)]
+    # With the C++ op they are one group there, each row on its own keys...
+    assert _choose([1, 4, 9], [40] * 3, shared=40, cpp=True) == [([0, 1, 2], PlanKind.CPP_CASCADE, 0)]
+    # ...unless their pairs are many (padded flash is faster then), or a prompt is among them.
+    got = _choose([1, 16, 16], [40, 900, 900], shared=40, cpp=True)
+    assert got == [([0], PlanKind.DECODE, 0), ([1, 2], PlanKind.FOLDED, 0)]
+    got = _choose([1, 100], [40, 0], cpp=True)
+    assert got == [([0], PlanKind.DECODE, 0), ([1], PlanKind.PREFILL, 0)]
 
 
 def test_rule_cpp_token_cascade_up_to_its_small_pair_count():

@@ -72,6 +72,40 @@ def test_token_cascade_op_matches_the_torch_ops_logits(tmp_path, consecutive, dt
         assert torch.equal(a.argmax(-1), b.argmax(-1))
 
 
+@pytest.mark.parametrize("dtype", ["bfloat16", "float32"])
+def test_rows_that_share_nothing_attend_their_own_keys_in_the_cpp_op(tmp_path, dtype):
+    """Prompts of different lengths with no common prefix, then decode steps and a verify
+    step: with the C++ op each step is one CPP_CASCADE without a prefix part, and its logits
+    agree with the torch ops' (padded decode and folded plans)."""
+    path = make_tiny_model("llama", tmp_path / "llama")
+    runner = ModelRunner(ModelConfig.load(path), ServerArgs(dtype=dtype, max_total_tokens=4096))
+    backend = runner.attn_backend
+    seen = []
+    original = backend.init_forward_metadata
+    backend.init_forward_metadata = lambda fb: original(fb) or seen.append(fb.attn_metadata)
+    g = torch.Generator().manual_seed(5)
+    prompts = [torch.randint(3, 320, (n,), generator=g).tolist() for n in (30, 50, 7, 90)]
+    drafts = [torch.randint(3, 320, (n,), generator=g).tolist() for n in (3, 5, 1, 2)]
+
+    def run(cpp: bool) -> list[torch.Tensor]:
+        backend.cpu_kernels = cpp
+        h = Harness(runner)
+        out = [h.prefill(prompts).next_token_logits]
+        seen.clear()
+        for _ in range(3):
+            out.append(h.decode(out[-1].argmax(-1).tolist()))
+        out.append(h.extend(h.rows, list(h.lens), drafts, all_logits=True).all_logits)
+        kinds = {(grp.plan.kind, grp.plan.shared_prefix_len) for step in seen for grp in step.groups}
+        assert kinds == ({(PlanKind.CPP_CASCADE, 0)} if cpp else {(PlanKind.DECODE, 0), (PlanKind.FOLDED, 0)})
+        return out
+
+    torch_ops, cpp = run(False), run(True)
+    for a, b in zip(torch_ops, cpp):
+        err = ((a - b).abs().max() / a.abs().max()).item()
+        assert err < (1e-2 if dtype == "bfloat16" else 1e-5), err
+        assert torch.equal(a.argmax(-1), b.argmax(-1))
+
+
 def test_packed_linear_op_equals_the_python_product():
     torch.manual_seed(0)
     layer = PackableLinear()

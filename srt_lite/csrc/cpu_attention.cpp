@@ -138,8 +138,9 @@ void suffix_row(
   }
   const T* qp = q.data_ptr<T>();
   T* op = out.data_ptr<T>();
-  const T* pre = o_pre.data_ptr<T>();
-  const float* lse = lse_pre.data_ptr<float>();
+  // No prefix part (a batch of rows with nothing shared): the suffix is all there is.
+  const T* pre = o_pre.defined() ? o_pre.data_ptr<T>() : nullptr;
+  const float* lse = lse_pre.defined() ? lse_pre.data_ptr<float>() : nullptr;
   const float neg_inf = -std::numeric_limits<float>::infinity();
   float qf[256], pre_f[256], acc[256];  // [D]
   for (int64_t i = 0; i < nq; ++i) {
@@ -191,9 +192,14 @@ void suffix_row(
       }
       // Softmax over both key sets: the prefix's share of the mass is sigmoid(lse_pre - lse_suf).
       const float lse_suf = m + std::log(l);
-      const float w_pre = 1.f / (1.f + std::exp(lse_suf - lse[h * lse_pre.stride(1) + row * lse_pre.stride(2)]));
-      const float w_suf = (1.f - w_pre) / l;
-      to_float(pre_f, pre + h * o_pre.stride(1) + row * o_pre.stride(2), D, w_pre);
+      float w_suf = 1.f / l;
+      if (pre != nullptr) {
+        const float w_pre = 1.f / (1.f + std::exp(lse_suf - lse[h * lse_pre.stride(1) + row * lse_pre.stride(2)]));
+        w_suf = (1.f - w_pre) / l;
+        to_float(pre_f, pre + h * o_pre.stride(1) + row * o_pre.stride(2), D, w_pre);
+      } else {
+        std::memset(pre_f, 0, D * sizeof(float));
+      }
       T* dst = op + tok * out.stride(0) + head * D;
       for (int64_t d = 0; d < D; ++d) {
         dst[d] = static_cast<T>(pre_f[d] + w_suf * acc[d]);
@@ -229,19 +235,23 @@ void cascade_attention(
   store_rows(k_buf, loc, k, T);
   store_rows(v_buf, loc, v, T);
   // Prefix: every query (row t * G + g of KV head h is head h * G + g of token t) sees it all.
-  at::Tensor q_seq = q.narrow(0, 0, T).view({T, Hkv, G, D}).transpose(0, 1).reshape({1, Hkv, T * G, D});
-  at::Tensor k_pre, v_pre;
-  if (prefix_start >= 0) {
-    k_pre = k_buf.narrow(0, prefix_start, prefix_len);
-    v_pre = v_buf.narrow(0, prefix_start, prefix_len);
-  } else {
-    k_pre = gather_rows(k_buf, prefix_index);
-    v_pre = gather_rows(v_buf, prefix_index);
+  // Without one (prefix_len 0: decode rows that share nothing) the rows' own keys are all.
+  at::Tensor o_pre, lse_pre;
+  if (prefix_len > 0) {
+    at::Tensor q_seq = q.narrow(0, 0, T).view({T, Hkv, G, D}).transpose(0, 1).reshape({1, Hkv, T * G, D});
+    at::Tensor k_pre, v_pre;
+    if (prefix_start >= 0) {
+      k_pre = k_buf.narrow(0, prefix_start, prefix_len);
+      v_pre = v_buf.narrow(0, prefix_start, prefix_len);
+    } else {
+      k_pre = gather_rows(k_buf, prefix_index);
+      v_pre = gather_rows(v_buf, prefix_index);
+    }
+    k_pre = k_pre.view({1, prefix_len, Hkv, D}).transpose(1, 2);  // [1, Hkv, Lp, D]
+    v_pre = v_pre.view({1, prefix_len, Hkv, D}).transpose(1, 2);
+    std::tie(o_pre, lse_pre) = at::_scaled_dot_product_flash_attention_for_cpu(q_seq, k_pre, v_pre, 0.0, false, std::nullopt, scale);
+    TORCH_CHECK(o_pre.stride(3) == 1 && lse_pre.scalar_type() == at::kFloat, "flash output layout");
   }
-  k_pre = k_pre.view({1, prefix_len, Hkv, D}).transpose(1, 2);  // [1, Hkv, Lp, D]
-  v_pre = v_pre.view({1, prefix_len, Hkv, D}).transpose(1, 2);
-  auto [o_pre, lse_pre] = at::_scaled_dot_product_flash_attention_for_cpu(q_seq, k_pre, v_pre, 0.0, false, std::nullopt, scale);
-  TORCH_CHECK(o_pre.stride(3) == 1 && lse_pre.scalar_type() == at::kFloat, "flash output layout");
   // Suffixes, merged into out: one task per (row, KV head).
   const int64_t B = q_off.size(0) - 1;
   const int64_t* qo = q_off.data_ptr<int64_t>();

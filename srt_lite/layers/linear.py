@@ -88,6 +88,21 @@ def bf16_kernel_linear(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor
     return torch.ops.srt_lite_cpu.bf16_linear(x, weight, bias, BF16_KERNEL_ROWS)
 
 
+# Rows up to which a linear with a 4-bit copy (a GGUF's Q4_0/Q4_1 weights) uses it. torch's
+# CPU int4 matmul reads the weight once per row: at one or two rows it reads a quarter of the
+# bf16 bytes and wins; from a few rows on, the bf16 product is faster.
+INT4_ROWS = 2
+INT4_GROUP = 32
+
+
+def int4_pack(codes: torch.Tensor, scale: torch.Tensor, zero: torch.Tensor, dtype: torch.dtype) -> tuple[torch.Tensor, torch.Tensor]:
+    """codes uint8 [N, K] (0..15), scale/zero [N, K/32] with w = (q - 8) * scale + zero ->
+    the weight and scales_and_zeros of torch._weight_int4pack_mm_for_cpu, in `dtype`."""
+    packed = torch.ops.aten._convert_weight_to_int4pack_for_cpu(codes.to(torch.int32).contiguous(), 1)  # [N, K/2]
+    scales_and_zeros = torch.stack([scale.t(), zero.t()], dim=-1).to(dtype).contiguous()  # [K/32, N, 2]
+    return packed, scales_and_zeros
+
+
 class PackableLinear(nn.Module):
     """y = x W^T (+ b), through the CPU linear path the model runner chose.
 
@@ -103,9 +118,16 @@ class PackableLinear(nn.Module):
     packed_key: int = -1  # index in _PACKED, for the compiled graph's opaque op
     cpp_key: int = -1  # the weight's key for srt_lite_cpu::packed_linear (C++), if built
     bf16_kernel: bool = False
+    int4: tuple[torch.Tensor, torch.Tensor] | None = None  # see use_int4
 
     def use_bf16_kernel(self) -> None:
         self.bf16_kernel = True
+
+    def use_int4(self, codes: torch.Tensor, scale: torch.Tensor, zero: torch.Tensor) -> None:
+        """Adds a 4-bit copy of the weight (this rank's codes [N, K] and per-32 scale/zero
+        [N, K/32]) for products of at most INT4_ROWS rows: a decode step at one stream reads
+        a quarter of the bytes. The full-precision weight stays for larger products."""
+        self.int4 = int4_pack(codes, scale, zero, self.weight.dtype)
 
     def pack_for_cpu(self) -> None:
         out_features = self.weight.shape[0]
@@ -121,6 +143,11 @@ class PackableLinear(nn.Module):
             _register_cpp_fake()
 
     def matmul(self, x: torch.Tensor, bias: torch.Tensor | None) -> torch.Tensor:
+        # A traced graph serves many row counts (a symbolic size): only the single-token
+        # graph, whose size is a plain int, takes the int4 copy.
+        if self.int4 is not None and isinstance(x.shape[0], int) and x.shape[0] <= INT4_ROWS:
+            y = torch.ops.aten._weight_int4pack_mm_for_cpu(x.contiguous(), self.int4[0], INT4_GROUP, self.int4[1])
+            return y if bias is None else y + bias
         if self.bf16_kernel:
             return bf16_kernel_linear(x, self.weight, bias)
         if self.packed_weight is None:
@@ -186,8 +213,9 @@ class ColumnParallelLinear(PackableLinear):
         self.tp_rank, self.tp_size = get_tp_rank(), get_tp_size()
         self.input_size = input_size
         self.output_size_per_rank = divide(output_size, self.tp_size)
+        self.weight_shape = (self.output_size_per_rank, input_size)  # kept when the weight is packed
         # [out / tp, in]
-        self.weight = nn.Parameter(torch.empty(self.output_size_per_rank, input_size), requires_grad=False)
+        self.weight = nn.Parameter(torch.empty(*self.weight_shape), requires_grad=False)
         self.weight.weight_loader = self.weight_loader
         if bias:
             self.bias = nn.Parameter(torch.empty(self.output_size_per_rank), requires_grad=False)
@@ -263,8 +291,9 @@ class RowParallelLinear(PackableLinear):
         super().__init__()
         self.tp_rank, self.tp_size = get_tp_rank(), get_tp_size()
         self.input_size_per_rank = divide(input_size, self.tp_size)
+        self.weight_shape = (output_size, self.input_size_per_rank)  # kept when the weight is packed
         # [out, in / tp]
-        self.weight = nn.Parameter(torch.empty(output_size, self.input_size_per_rank), requires_grad=False)
+        self.weight = nn.Parameter(torch.empty(*self.weight_shape), requires_grad=False)
         self.weight.weight_loader = self.weight_loader
         if bias:
             self.bias = nn.Parameter(torch.empty(output_size), requires_grad=False)

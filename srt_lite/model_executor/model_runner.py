@@ -26,6 +26,7 @@ from srt_lite.layers.radix_attention import RadixAttention, compiled_forward_bat
 from srt_lite.mem_cache.memory_pool import ReqToTokenPool, TokenToKVPool
 from srt_lite.model_config import ModelConfig
 from srt_lite.model_executor.forward_batch import ForwardBatch
+from srt_lite.model_loader import gguf_quant
 from srt_lite.model_loader.weight_utils import count_checkpoint_tensors, iter_checkpoint
 from srt_lite.models.registry import get_model_class
 from srt_lite.server_args import ServerArgs
@@ -99,11 +100,25 @@ class ModelRunner:
             self.linear_path = cpu_linear_path(self.dtype, self.server_args.disable_weight_packing)
             prepare_linears_for_cpu(self.model, self.linear_path)
             self.pad_rows = self.linear_path == PATH_PACKED
+        self.int4_linears = self.load_int4_weights()
+        int4 = f", {self.int4_linears} with 4-bit GGUF weights" if self.int4_linears else ""
         logger.info(
-            "Loaded %s (%.1f MB, %s, %s, linears: %s; CPU %s) in %.1f s",
-            cls.__name__, self.weight_bytes / 2**20, self.dtype, self.device, self.linear_path,
+            "Loaded %s (%.1f MB, %s, %s, linears: %s%s; CPU %s) in %.1f s",
+            cls.__name__, self.weight_bytes / 2**20, self.dtype, self.device, self.linear_path, int4,
             cpu_caps.get().describe(), time.perf_counter() - t0,
         )
+
+    def load_int4_weights(self) -> int:
+        """A checkpoint converted from a GGUF file keeps its Q4_0/Q4_1 linears' 4-bit weights
+        beside the dequantized ones (PackableLinear.use_int4), unless --quantization none.
+        torch's int4 matmul used here is the CPU one; on CUDA the weights stay dequantized."""
+        mode = self.server_args.quantization
+        gguf = gguf_quant.source_gguf(self.model_config.path)
+        if mode == "gguf" and gguf is None:
+            raise ValueError("--quantization gguf needs a .gguf checkpoint (--model-path FILE.gguf)")
+        if mode == "none" or gguf is None or self.device != "cpu" or not hasattr(self.model, "load_int4_weights"):
+            return 0
+        return self.model.load_int4_weights(gguf_quant.read_q4_tensors(gguf))
 
     def init_torch_compile(self) -> None:
         """Compiles the decoder stack (embedding to final norm). Attention and the oneDNN

@@ -14,6 +14,7 @@ import os
 import shutil
 import tempfile
 
+from srt_lite.model_loader import gguf_quant
 from srt_lite.utils import cache_root, progress
 
 logger = logging.getLogger(__name__)
@@ -72,6 +73,8 @@ def converted_dir(gguf_path: str, name: str | None = None) -> str:
 def convert_gguf(gguf_path: str, name: str | None = None) -> str:
     out_dir = converted_dir(gguf_path, name)
     if os.path.isfile(os.path.join(out_dir, "config.json")):
+        if gguf_quant.source_gguf(out_dir) is None:
+            gguf_quant.write_source(out_dir, gguf_path)  # a cache converted before the record existed
         return out_dir
     logger.info("Converting %s to safetensors (once) into %s", gguf_path, out_dir)
     import torch
@@ -100,6 +103,7 @@ def convert_gguf(gguf_path: str, name: str | None = None) -> str:
             model.config.name_or_path = name or os.path.basename(gguf_path).removesuffix(".gguf")
             model.save_pretrained(tmp)
             loaded["tokenizer"].save_pretrained(tmp)
+            gguf_quant.write_source(tmp, gguf_path)  # the 4-bit weights are read from it at load
 
         for step in progress([load_tokenizer, load_weights, save], 3, "Converting GGUF (tokenizer, weights, save)"):
             step()

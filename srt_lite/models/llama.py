@@ -19,7 +19,7 @@ from srt_lite.layers.logits_processor import LogitsProcessor, LogitsProcessorOut
 from srt_lite.layers.radix_attention import RadixAttention
 from srt_lite.layers.rotary_embedding import RotaryEmbedding
 from srt_lite.model_executor.forward_batch import ForwardBatch
-from srt_lite.model_loader.weight_utils import TensorSource
+from srt_lite.model_loader.weight_utils import InMemory, TensorSource
 
 
 class LlamaMLP(nn.Module):
@@ -154,6 +154,49 @@ class LlamaForCausalLM(nn.Module):
         hidden = self.model(input_ids, positions, fb)[: fb.num_tokens]  # without padding rows
         return self.logits_processor(hidden, self.lm_head, fb)
 
+    def _route(self, name: str) -> tuple[str, str | int | None]:
+        """A checkpoint name -> (our parameter's name, its shard id in a fused projection)."""
+        for fused, part, sid in self.stacked_params:
+            if f".{part}." in name:
+                return name.replace(part, fused), sid
+        return name, None
+
+    def load_int4_weights(self, tensors: dict[str, tuple[torch.Tensor, torch.Tensor, torch.Tensor]]) -> int:
+        """Gives linears a 4-bit copy (PackableLinear.use_int4) from checkpoint-named
+        (codes [N, K], scale [N, K/32], zero [N, K/32]), sliced for this rank by the
+        linears' own weight loaders. A fused projection gets one only when all its parts
+        are 4-bit, and a row-parallel slice only when it holds whole groups of 32.
+        Returns how many linears got one."""
+        modules = dict(self.named_modules())
+        parts = {fused: sum(f == fused for f, _, _ in self.stacked_params) for fused, _, _ in self.stacked_params}
+        staged: dict[str, list] = {}  # module name -> [codes, scale, zero, parts filled]
+        for name, (codes, scale, zero) in tensors.items():
+            pname, shard_id = self._route(name)
+            mod = modules.get(pname.removesuffix(".weight"))
+            if mod is None or not hasattr(mod, "use_int4"):
+                continue
+            n, k = mod.weight_shape
+            if k % 32:
+                continue
+            if pname not in staged:
+                staged[pname] = [
+                    torch.empty(n, k, dtype=torch.uint8),  # [N, K] this rank's codes
+                    torch.empty(n, k // 32),  # [N, K/32] float32
+                    torch.empty(n, k // 32),
+                    0,
+                ]
+            entry = staged[pname]
+            for buf, src in zip(entry[:3], (codes, scale, zero)):
+                mod.weight_loader(buf, InMemory(src), shard_id)
+            entry[3] += 1
+        done = 0
+        for pname, (codes, scale, zero, filled) in staged.items():
+            fused = pname.split(".")[-2]
+            if filled == parts.get(fused, 1):
+                modules[pname.removesuffix(".weight")].use_int4(codes, scale, zero)
+                done += 1
+        return done
+
     def load_weights(self, weights: Iterable[tuple[str, TensorSource]]) -> None:
         params = dict(self.named_parameters(remove_duplicate=False))
         loaded: set[str] = set()
@@ -162,11 +205,7 @@ class LlamaForCausalLM(nn.Module):
                 continue
             if name == "lm_head.weight" and self.tie_word_embeddings:
                 continue
-            shard_id = None
-            for fused, part, sid in self.stacked_params:
-                if f".{part}." in name:
-                    name, shard_id = name.replace(part, fused), sid
-                    break
+            name, shard_id = self._route(name)
             if name not in params:
                 raise KeyError(f"checkpoint tensor {name!r} has no place in {type(self).__name__}")
             param = params[name]

@@ -141,8 +141,9 @@ def _cpp_cascade(fb: "ForwardBatch", choice: GroupChoice, slots: RowSlots) -> Cp
     ext = [fb.extend_seq_lens_cpu[b] for b in rows]
     seq_lens = [fb.extend_prefix_lens_cpu[b] + e for b, e in zip(rows, ext)]
     kv_index, key_valid = _kv_index(slots.of(rows), seq_lens)
+    prefix = SharedPrefix.of(kv_index[0, :shared]) if shared else SharedPrefix(kv_index.new_empty(0), None)
     return CppCascadePlan(
-        SharedPrefix.of(kv_index[0, :shared]),
+        prefix,
         kv_index[:, shared:][key_valid[:, shared:]],  # [S]
         torch.tensor([0, *itertools.accumulate(ext)], dtype=torch.int64),  # [B + 1], host
         torch.tensor([0, *itertools.accumulate(n - shared for n in seq_lens)], dtype=torch.int64),

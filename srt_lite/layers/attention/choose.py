@@ -65,6 +65,17 @@ def may_share_prefix(ext: list[int]) -> bool:
     return len(ext) > 1 and max(ext) <= CASCADE_MAX_Q
 
 
+def own_keys_in_cpp(ext: list[int], prefix: list[int]) -> bool:
+    """Whether rows that share no prefix go to the C++ op, each on its own keys (prefix
+    length 0). Decode rows always: the padded path's gather of every row's keys and its
+    flash call over one query per row cost several times the C++ loop at any length. Rows
+    of a few tokens while their pairs are few, as for the token cascade."""
+    if max(ext) == 1:
+        return True
+    pairs = sum(e * (p + e) for e, p in zip(ext, prefix))
+    return max(ext) <= CASCADE_MAX_Q and pairs <= TOKEN_SUFFIX_SMALL
+
+
 def choose_group(
     ext: list[int], prefix: list[int], shared: int, cpp: bool, cascade_only: bool = False
 ) -> tuple[PlanKind, int] | None:
@@ -82,6 +93,8 @@ def choose_group(
         token = sum(ext) * (sum(seq_lens) - B * shared) <= TOKEN_SUFFIX_GAIN * padded
     if shared >= CASCADE_MIN_PREFIX and token:
         return (PlanKind.CPP_CASCADE if cpp else PlanKind.TOKEN_CASCADE), shared
+    if cpp and not cascade_only and own_keys_in_cpp(ext, prefix):
+        return PlanKind.CPP_CASCADE, 0
     if cascade_only:
         # Suffix queries are padded to the longest row; the prefix part is not padded.
         useful = exact + shared * sum(ext)
@@ -140,4 +153,8 @@ def choose_plan(
     kinds = [row_kind(ext[b], prefix[b]) for b in rest]
     by_kind = [rows for k in RowKind if (rows := [b for b, kb in zip(rest, kinds) if kb == k])]
     alone = len(groups) + len(by_kind) == 1
+    if cpp and not groups and not alone and own_keys_in_cpp(ext, prefix):
+        # Decode and verify rows together, sharing nothing: one C++ call instead of a
+        # Python plan per kind.
+        return [GroupChoice(list(range(B)), PlanKind.CPP_CASCADE, 0)]
     return groups + [choose(rows, cpp and alone) for rows in by_kind]
