@@ -103,6 +103,11 @@ def int4_pack(codes: torch.Tensor, scale: torch.Tensor, zero: torch.Tensor, dtyp
     return packed, scales_and_zeros
 
 
+def int4_linear(x: torch.Tensor, packed: torch.Tensor, scales_and_zeros: torch.Tensor) -> torch.Tensor:
+    """x [n, in] -> [n, out] through an int4_pack() weight."""
+    return torch.ops.aten._weight_int4pack_mm_for_cpu(x.contiguous(), packed, INT4_GROUP, scales_and_zeros)
+
+
 class PackableLinear(nn.Module):
     """y = x W^T (+ b), through the CPU linear path the model runner chose.
 
@@ -146,7 +151,7 @@ class PackableLinear(nn.Module):
         # A traced graph serves many row counts (a symbolic size): only the single-token
         # graph, whose size is a plain int, takes the int4 copy.
         if self.int4 is not None and isinstance(x.shape[0], int) and x.shape[0] <= INT4_ROWS:
-            y = torch.ops.aten._weight_int4pack_mm_for_cpu(x.contiguous(), self.int4[0], INT4_GROUP, self.int4[1])
+            y = int4_linear(x, *self.int4)
             return y if bias is None else y + bias
         if self.bf16_kernel:
             return bf16_kernel_linear(x, self.weight, bias)

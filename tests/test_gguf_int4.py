@@ -1,0 +1,119 @@
+"""A GGUF's 4-bit linears served as they are stored (model_loader/gguf_quant.py and
+PackableLinear.use_int4): the codes read back equal transformers' dequantization exactly,
+and the model with its 4-bit decode products stays with the dequantized one in logits,
+greedy tokens and the log-likelihood of a fixed text, in bf16 and fp32. Also the AVX2 leg
+(`cpu_caps`), where torch's int4 kernel takes its AVX2 path."""
+
+from __future__ import annotations
+
+import glob
+import math
+
+import pytest
+import torch
+from safetensors import safe_open
+
+from model_harness import Harness
+from srt_lite.layers import linear
+from srt_lite.layers.linear import INT4_ROWS, PackableLinear
+from srt_lite.model_config import ModelConfig
+from srt_lite.model_executor.model_runner import ModelRunner
+from srt_lite.model_loader import gguf_quant
+from srt_lite.model_loader.default_model import default_gguf_path
+from srt_lite.server_args import ServerArgs
+from test_tiny_models import make_tiny_model
+
+pytestmark = pytest.mark.cpu_caps
+
+TEXT = (
+    "The river runs past the old mill, where children gather in the summer to watch the "
+    "water turn the wheel. Their grandparents remember when the mill still ground flour."
+)
+
+
+@pytest.fixture(scope="module")
+def q4():
+    return gguf_quant.read_q4_tensors(default_gguf_path())
+
+
+def test_codes_dequantize_exactly_to_the_converted_checkpoint(q4, default_model_dir):
+    """Every Q4_1 linear of the default GGUF (210: 7 per layer, 30 layers), q and k with
+    llama.cpp's row permutation undone, equals the weight transformers dequantized."""
+    assert len(q4) == 210
+    (path,) = glob.glob(f"{default_model_dir}/*.safetensors")
+    with safe_open(path, framework="pt") as f:
+        for name, (codes, scale, zero) in q4.items():
+            assert codes.dtype == torch.uint8 and int(codes.max()) <= 15
+            assert torch.equal(gguf_quant.dequantize(codes, scale, zero), f.get_tensor(name).float()), name
+
+
+def test_converted_checkpoint_records_its_gguf(default_model_dir):
+    assert gguf_quant.source_gguf(default_model_dir) == default_gguf_path()
+
+
+def _runner(dtype: str, quantization: str | None) -> ModelRunner:
+    args = ServerArgs(dtype=dtype, quantization=quantization, max_total_tokens=2048)
+    return ModelRunner(ModelConfig.load(args.model_path or _default_dir()), args)
+
+
+def _default_dir() -> str:
+    from srt_lite.model_loader.default_model import resolve_model_path
+
+    return resolve_model_path(None)
+
+
+def _decode_logprobs(runner: ModelRunner, ids: list[int]) -> tuple[list[torch.Tensor], float]:
+    """One token a step (the single-stream decode the 4-bit path serves): the logits after
+    each prefix of `ids` and the log-likelihood of ids[1:]."""
+    h = Harness(runner)
+    logits = [h.prefill([ids[:1]]).next_token_logits[0]]
+    for t in ids[1:-1]:
+        logits.append(h.decode([t])[0])
+    ll = sum(torch.log_softmax(lg.float(), -1)[t].item() for lg, t in zip(logits, ids[1:]))
+    return logits, ll
+
+
+@pytest.mark.parametrize("dtype", ["bfloat16", "float32"])
+def test_int4_decode_stays_with_the_dequantized_model(dtype, tokenizer):
+    int4, plain = _runner(dtype, None), _runner(dtype, "none")
+    linears = [m for m in int4.model.modules() if isinstance(m, PackableLinear)]
+    assert int4.int4_linears == 120 and all(m.int4 is not None for m in linears)  # 4 fused linears x 30
+    assert plain.int4_linears == 0
+    ids = tokenizer.encode(TEXT)
+    got, ll_int4 = _decode_logprobs(int4, ids)
+    want, ll_plain = _decode_logprobs(plain, ids)
+    # Logits: the same weights, computed by another kernel (bf16: scales rounded to bf16).
+    tol = 0.05 if dtype == "bfloat16" else 1e-4
+    for a, b in zip(got, want):
+        assert ((a - b).abs().max() / b.abs().max()).item() < tol
+    agree = sum(int(a.argmax() == b.argmax()) for a, b in zip(got, want)) / len(got)
+    assert agree >= (0.9 if dtype == "bfloat16" else 1.0), agree
+    per_token = abs(ll_int4 - ll_plain) / (len(ids) - 1)
+    assert per_token < (0.02 if dtype == "bfloat16" else 1e-4), (ll_int4, ll_plain)
+    assert math.isfinite(ll_int4)
+
+
+def test_int4_only_for_few_rows_and_the_full_weight_beyond(tokenizer, monkeypatch):
+    """Prefill (many rows) runs the full-precision weight, so it equals the dequantized model
+    exactly in fp32; steps of up to INT4_ROWS rows call the int4 kernel."""
+    int4, plain = _runner("float32", None), _runner("float32", "none")
+    calls = []
+    original = linear.int4_linear
+    ids = tokenizer.encode(TEXT)[:20]
+    a = Harness(int4).prefill([ids]).all_logits
+    b = Harness(plain).prefill([ids]).all_logits
+    assert torch.equal(a, b)
+    layer = next(m for m in int4.model.modules() if isinstance(m, PackableLinear))
+    x = torch.randn(INT4_ROWS + 1, layer.weight_shape[1])
+    monkeypatch.setattr(linear, "int4_linear", lambda *args: calls.append(args[0].shape[0]) or original(*args))
+    for rows in range(1, INT4_ROWS + 2):
+        layer.matmul(x[:rows], None)
+    assert calls == list(range(1, INT4_ROWS + 1))
+
+
+def test_hf_checkpoint_has_no_int4_and_gguf_mode_refuses_it(tmp_path):
+    path = make_tiny_model("llama", tmp_path / "llama")
+    runner = ModelRunner(ModelConfig.load(path), ServerArgs(dtype="float32", max_total_tokens=256))
+    assert runner.int4_linears == 0
+    with pytest.raises(ValueError, match="--quantization gguf needs a .gguf"):
+        ModelRunner(ModelConfig.load(path), ServerArgs(dtype="float32", quantization="gguf", max_total_tokens=256))
