@@ -7,8 +7,9 @@ EOS banned; single-stream decode as a fraction of the machine's memory-bandwidth
     .venv/bin/python benchmarks/bench_1b_shape.py run --base-url http://127.0.0.1:30000 --model-dir /path/to/llama-1b-shape
 
 `make` writes the model once (hidden 2048, 16 layers, 32 heads, 8 KV heads, intermediate 8192,
-tied embeddings; SmolLM2's tokenizer and its 49152-token vocabulary, so that text decodes:
-about 1.07B parameters, 2.15 GB in bf16). `run` measures the memory read bandwidth in this
+vocabulary 128256, tied embeddings: 1.24B parameters, 2.47 GB in bf16). The tokenizer is
+SmolLM2's (49152 tokens): ids past it decode to nothing, as a model's padded vocabulary
+does; the engines still compute and sample over all 128256 logits. `run` measures the memory read bandwidth in this
 process first (the best of several sums over a buffer far larger than the caches), then runs
 the two workloads through benchmarks/bench_serving.py. Decode reads every weight once per step,
 so the single-stream roofline is bandwidth / weight bytes (in the dtype the server reports; a
@@ -33,21 +34,21 @@ sys.path.insert(0, str(Path(__file__).resolve().parent))
 
 from bench_serving import RESULTS_DIR, parse_args as serving_args, run_benchmark  # noqa: E402
 
-SHAPE = {"hidden": 2048, "layers": 16, "heads": 32, "kv_heads": 8, "intermediate": 8192}
+SHAPE = {"hidden": 2048, "layers": 16, "heads": 32, "kv_heads": 8, "intermediate": 8192, "vocab": 128256}
 WORKLOADS = {  # bench_serving arguments; EOS banned (its default), so every request decodes --output-len
     "single": ["--num-prompts", "4", "--max-concurrency", "1", "--input-words", "32", "--output-len", "128"],
     "c8": ["--num-prompts", "16", "--max-concurrency", "8", "--input-words", "32", "--output-len", "128"],
 }
 
 
-def make_model(path: str, hidden: int, layers: int, heads: int, kv_heads: int, intermediate: int) -> None:
+def make_model(path: str, hidden: int, layers: int, heads: int, kv_heads: int, intermediate: int, vocab: int) -> None:
     from transformers import AutoModelForCausalLM, AutoTokenizer, LlamaConfig
 
     from srt_lite.model_loader.default_model import resolve_model_path
 
     tokenizer = AutoTokenizer.from_pretrained(resolve_model_path(None))
     cfg = LlamaConfig(
-        vocab_size=len(tokenizer), hidden_size=hidden, num_hidden_layers=layers, num_attention_heads=heads,
+        vocab_size=max(vocab, len(tokenizer)), hidden_size=hidden, num_hidden_layers=layers, num_attention_heads=heads,
         num_key_value_heads=kv_heads, intermediate_size=intermediate, tie_word_embeddings=True,
         max_position_embeddings=4096, rope_theta=500000.0, bos_token_id=tokenizer.bos_token_id,
         eos_token_id=tokenizer.eos_token_id, architectures=["LlamaForCausalLM"],
@@ -142,7 +143,7 @@ def main() -> None:
     args = p.parse_args()
     if args.cmd == "make":
         os.makedirs(args.path, exist_ok=True)
-        make_model(args.path, args.hidden, args.layers, args.heads, args.kv_heads, args.intermediate)
+        make_model(args.path, args.hidden, args.layers, args.heads, args.kv_heads, args.intermediate, args.vocab)
         return
     result = run(args)
     out = Path(args.output) if args.output else RESULTS_DIR / f"1b-shape_{time.strftime('%Y%m%d_%H%M%S')}.json"

@@ -3,7 +3,8 @@
 # plus torch.compile) and then vLLM's CPU build, one after the other on the same machine, so they can be compared as
 # ratios (the machine is noisy; never compare across runs).
 #   benchmarks/compare_with_vllm.sh LABEL [VLLM_PYTHON]
-# WORKLOADS="W3" limits the workloads; ROUNDS=N repeats the four servers N times in turn
+# WORKLOADS="W3" limits the workloads; SERVERS="srt vllm" limits the servers (default: all four,
+# srt srt-ngram srt-ngram-compile vllm); ROUNDS=N repeats the servers N times in turn
 # (labels LABEL-1 .. LABEL-N), so a drift of the host's speed hits every server alike.
 # vLLM comes from its own venv (docs/benchmarks.md has the install). Results:
 # benchmarks/results/{srt,srt-ngram,srt-ngram-compile,vllm}-LABEL-W{1,2,3}.json
@@ -16,6 +17,7 @@ model=$($py -c "from srt_lite.model_loader.default_model import resolve_model_pa
 
 workloads=${WORKLOADS:-CHAT1 CHAT8 W1 W2 W3}
 rounds=${ROUNDS:-1}
+servers=${SERVERS:-srt srt-ngram srt-ngram-compile vllm}
 
 wait_health() { until curl -sf "$1/health" >/dev/null; do sleep 2; done; }
 
@@ -41,8 +43,13 @@ run_vllm() {
 for round in $(seq "$rounds"); do
   tag=$label
   [ "$rounds" = 1 ] || tag=$label-$round
-  run_srt srt
-  run_srt srt-ngram --speculative-algorithm ngram
-  run_srt srt-ngram-compile --speculative-algorithm ngram --enable-torch-compile
-  run_vllm
+  for server in $servers; do
+    case $server in
+      srt) run_srt srt ;;
+      srt-ngram) run_srt srt-ngram --speculative-algorithm ngram ;;
+      srt-ngram-compile) run_srt srt-ngram-compile --speculative-algorithm ngram --enable-torch-compile ;;
+      vllm) run_vllm ;;
+      *) echo "unknown server $server" >&2; exit 2 ;;
+    esac
+  done
 done

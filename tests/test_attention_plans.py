@@ -74,11 +74,13 @@ PINNED = {
     "verify_rows_many_pairs": ([(1000, 8)] * 4, 0, [("folded", None, 0)], None, None),
     "cached_prefix_extend": ([(40, 30)], 0, [("extend", None, 0)], [("cpp_cascade", None, 0)], None),
     "chunk_and_decode_rows": (
-        [(0, 100), (30, 1), (40, 1), (50, 1)], 0, [("decode", _r(100, 103), 0), ("prefill", _r(0, 100), 0)], None, None,
+        [(0, 100), (30, 1), (40, 1), (50, 1)], 0, [("decode", _r(100, 103), 0), ("prefill", _r(0, 100), 0)],
+        [("cpp_own_keys", _r(100, 103), 0), ("prefill", _r(0, 100), 0)], None,
     ),
     "chunk_verify_and_decode_rows": (
         [(0, 100), (30, 1), (40, 5), (50, 1)], 0,
-        [("decode", [100, 106], 0), ("folded", _r(101, 106), 0), ("prefill", _r(0, 100), 0)], None, None,
+        [("decode", [100, 106], 0), ("folded", _r(101, 106), 0), ("prefill", _r(0, 100), 0)],
+        [("cpp_own_keys", _r(100, 107), 0), ("prefill", _r(0, 100), 0)], None,
     ),
     "decode_on_shared_prefix_few_own": (
         [(86, 1)] * 8, 80, [("cascade", None, 80)], [("cpp_cascade", None, 80)], [("cascade", None, 80)],
@@ -189,11 +191,11 @@ def test_rule_mixed_short_rows_without_a_worthwhile_prefix_go_by_kind():
     assert got == [([0], PlanKind.DECODE, 0), ([1, 2], PlanKind.FOLDED, 0)]
     # With the C++ op they are one group there, each row on its own keys...
     assert _choose([1, 4, 9], [40] * 3, shared=40, cpp=True) == [([0, 1, 2], PlanKind.CPP_CASCADE, 0)]
-    # ...unless their pairs are many (padded flash is faster then), or a prompt is among them.
+    # ...unless their pairs are many (padded flash is faster then); beside a prompt, apart.
     got = _choose([1, 16, 16], [40, 900, 900], shared=40, cpp=True)
-    assert got == [([0], PlanKind.DECODE, 0), ([1, 2], PlanKind.FOLDED, 0)]
+    assert got == [([0], PlanKind.CPP_OWN_KEYS, 0), ([1, 2], PlanKind.FOLDED, 0)]  # decode rows: always
     got = _choose([1, 100], [40, 0], cpp=True)
-    assert got == [([0], PlanKind.DECODE, 0), ([1], PlanKind.PREFILL, 0)]
+    assert got == [([0], PlanKind.CPP_OWN_KEYS, 0), ([1], PlanKind.PREFILL, 0)]
 
 
 def test_rule_cpp_token_cascade_up_to_its_small_pair_count():
@@ -273,4 +275,5 @@ def test_every_plan_attends_as_plain_attention(cpp):
             got = group.plan.attend(q.index_select(0, tokens), k_buf, v_buf, LAYER)  # out=None: a new tensor
             assert (got - want[tokens]).abs().max().item() < 1e-5, (name, group.plan.kind)
     plain = {PlanKind.DECODE, PlanKind.PREFILL, PlanKind.EXTEND, PlanKind.FOLDED, PlanKind.CASCADE, PlanKind.TOKEN_CASCADE}
-    assert kinds == (plain | {PlanKind.CPP_CASCADE} if cpp else plain)
+    # With the C++ op every decode group runs there (alone or beside a prompt chunk).
+    assert kinds == (plain - {PlanKind.DECODE} | {PlanKind.CPP_CASCADE, PlanKind.CPP_OWN_KEYS} if cpp else plain)

@@ -47,6 +47,17 @@ def test_codes_dequantize_exactly_to_the_converted_checkpoint(q4, default_model_
             assert torch.equal(gguf_quant.dequantize(codes, scale, zero), f.get_tensor(name).float()), name
 
 
+def test_cache_holds_what_the_gguf_holds(q4, tmp_path):
+    """load_q4_tensors writes its cache on first use and reads the same tensors back."""
+    first = gguf_quant.load_q4_tensors(str(tmp_path), default_gguf_path())
+    assert (tmp_path / gguf_quant.CACHE_FILE).is_file()
+    cached = gguf_quant.load_q4_tensors(str(tmp_path), default_gguf_path())
+    for got in (first, cached):
+        assert got.keys() == q4.keys()
+        for name, want in q4.items():
+            assert all(torch.equal(a, b) for a, b in zip(got[name], want)), name
+
+
 def test_converted_checkpoint_records_its_gguf(default_model_dir):
     assert gguf_quant.source_gguf(default_model_dir) == default_gguf_path()
 

@@ -232,8 +232,10 @@ void cascade_attention(
   const int64_t S = suffix_index.size(0);
   check_offsets(q_off, k_off, T, S);
   check_ids(suffix_index, S, k_buf.size(0));
-  store_rows(k_buf, loc, k, T);
-  store_rows(v_buf, loc, v, T);
+  if (k.size(0) > 0) {  // k and v without rows: a group of a larger step, whose KV is stored
+    store_rows(k_buf, loc, k, T);
+    store_rows(v_buf, loc, v, T);
+  }
   // Prefix: every query (row t * G + g of KV head h is head h * G + g of token t) sees it all.
   // Without one (prefix_len 0: decode rows that share nothing) the rows' own keys are all.
   at::Tensor o_pre, lse_pre;

@@ -118,7 +118,7 @@ class ModelRunner:
             raise ValueError("--quantization gguf needs a .gguf checkpoint (--model-path FILE.gguf)")
         if mode == "none" or gguf is None or self.device != "cpu" or not hasattr(self.model, "load_int4_weights"):
             return 0
-        return self.model.load_int4_weights(gguf_quant.read_q4_tensors(gguf))
+        return self.model.load_int4_weights(gguf_quant.load_q4_tensors(self.model_config.path, gguf))
 
     def init_torch_compile(self) -> None:
         """Compiles the decoder stack (embedding to final norm). Attention and the oneDNN

@@ -24,6 +24,7 @@ logger = logging.getLogger(__name__)
 
 # Written next to a converted checkpoint: the GGUF file it came from.
 SOURCE_FILE = "srt_lite_gguf_source.json"
+CACHE_FILE = "srt_lite_q4.safetensors"  # load_q4_tensors' cache
 GROUP = 32  # weights per GGUF block
 # GGUF name -> Hugging Face name, for the linears of a decoder layer (llama.cpp's names).
 _LAYER_LINEARS = {
@@ -84,6 +85,38 @@ def _decode_blocks(raw: np.ndarray, kind: str, rows: int, cols: int) -> tuple[to
     codes = torch.cat([packed & 0xF, packed >> 4], dim=-1).reshape(rows, cols)  # [rows, cols]
     zero = halves[..., 1] + 8 * d if kind == "Q4_1" else torch.zeros_like(d)
     return codes.contiguous(), d.contiguous(), zero.contiguous()
+
+
+def load_q4_tensors(model_dir: str, gguf_path: str) -> dict[str, tuple[torch.Tensor, torch.Tensor, torch.Tensor]]:
+    """read_q4_tensors, through a cache beside the converted checkpoint: gguf's reader parses
+    every metadata field in Python (the tokenizer's vocabulary too), seconds per start, where
+    the cache is a memory-mapped safetensors file. Codes are stored two to a byte."""
+    from safetensors import safe_open
+    from safetensors.torch import save_file
+
+    path = os.path.join(model_dir, CACHE_FILE)
+    if os.path.isfile(path):
+        out = {}
+        with safe_open(path, framework="pt") as f:
+            for key in f.keys():
+                if key.endswith(".codes"):
+                    name = key.removesuffix(".codes")
+                    pairs = f.get_tensor(key)  # [N, K / 2]: element 2j low, 2j + 1 high
+                    codes = torch.stack([pairs & 0xF, pairs >> 4], dim=-1).view(pairs.shape[0], -1)
+                    out[name] = (codes, f.get_tensor(f"{name}.scale"), f.get_tensor(f"{name}.zero"))
+        return out
+    out = read_q4_tensors(gguf_path)
+    flat = {}
+    for name, (codes, scale, zero) in out.items():
+        flat[f"{name}.codes"] = (codes[:, 0::2] | (codes[:, 1::2] << 4)).contiguous()
+        flat[f"{name}.scale"], flat[f"{name}.zero"] = scale, zero
+    tmp = f"{path}.{os.getpid()}.tmp"
+    try:
+        save_file(flat, tmp)
+        os.replace(tmp, path)  # concurrent ranks write the same file; the last rename wins
+    except OSError as e:  # a read-only cache still serves, just slower to start
+        logger.warning("Could not cache the GGUF's 4-bit weights (%s)", e)
+    return out
 
 
 def read_q4_tensors(gguf_path: str) -> dict[str, tuple[torch.Tensor, torch.Tensor, torch.Tensor]]:

@@ -11,7 +11,7 @@ import torch
 
 from srt_lite.layers.attention.cascade import CascadePlan, SharedPrefix, TokenCascadePlan
 from srt_lite.layers.attention.choose import GroupChoice, PlanKind
-from srt_lite.layers.attention.plans import DecodePlan, ExtendPlan, FoldedPlan, Plan, PrefillPlan, QueryLayout
+from srt_lite.layers.attention.plans import CppOwnKeysPlan, DecodePlan, ExtendPlan, FoldedPlan, Plan, PrefillPlan, QueryLayout
 from srt_lite.layers.attention.sdpa import additive
 from srt_lite.layers.attention.steps import CppCascadePlan, GroupedStep, PlanGroup, StepPlan
 
@@ -80,6 +80,15 @@ def build_plan(fb: "ForwardBatch", choice: GroupChoice, slots: RowSlots, heads_p
         return DecodePlan(kv_index, bias)
     if kind is PlanKind.PREFILL:
         return PrefillPlan(kv_index)
+    if kind is PlanKind.CPP_OWN_KEYS:
+        seq_lens = [p + e for p, e in zip(prefix, ext)]
+        new = torch.arange(kv_index.shape[1], device=device)[None, :] >= torch.tensor(prefix, device=device)[:, None]
+        return CppOwnKeysPlan(
+            kv_index[key_valid & new],  # [Tg] the rows' new slots, row after row
+            kv_index[key_valid],  # [S]
+            torch.tensor([0, *itertools.accumulate(ext)], dtype=torch.int64),  # [B + 1], host
+            torch.tensor([0, *itertools.accumulate(seq_lens)], dtype=torch.int64),
+        )
     if kind is PlanKind.TOKEN_CASCADE:
         mask, suffix_index = _token_cascade_mask(kv_index, key_valid, shared, ext, prefix)
         bias = additive(mask[None, None], dtype).repeat_interleave(G, dim=2)  # [1, 1, Tg * G, S]

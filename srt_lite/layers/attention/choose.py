@@ -44,6 +44,7 @@ class PlanKind(Enum):
     CASCADE = "cascade"  # folded rows over a shared prefix, suffixes padded row by row
     TOKEN_CASCADE = "token_cascade"  # a cascade whose suffixes are one masked sequence
     CPP_CASCADE = "cpp_cascade"  # the token cascade in one C++ op per layer
+    CPP_OWN_KEYS = "cpp_own_keys"  # one group of a larger step, rows on their own keys in the C++ op
 
 
 @dataclass(frozen=True)
@@ -157,4 +158,16 @@ def choose_plan(
         # Decode and verify rows together, sharing nothing: one C++ call instead of a
         # Python plan per kind.
         return [GroupChoice(list(range(B)), PlanKind.CPP_CASCADE, 0)]
-    return groups + [choose(rows, cpp and alone) for rows in by_kind]
+    chosen = groups + [choose(rows, cpp and alone) for rows in by_kind]
+    if cpp and not alone:
+        # Beside a prompt chunk, the decode and few-token rows still run in C++, as one group.
+        def own(rows: list[int]) -> bool:
+            return own_keys_in_cpp([ext[b] for b in rows], [prefix[b] for b in rows])
+
+        short = [c for c in chosen if c.kind in (PlanKind.DECODE, PlanKind.FOLDED)]
+        rows = sorted(b for c in short for b in c.rows)
+        if short and own(rows):
+            chosen = [GroupChoice(rows, PlanKind.CPP_OWN_KEYS, 0)] + [c for c in chosen if c not in short]
+        else:
+            chosen = [GroupChoice(c.rows, PlanKind.CPP_OWN_KEYS, 0) if c in short and own(c.rows) else c for c in chosen]
+    return chosen

@@ -185,3 +185,27 @@ def _write(o: torch.Tensor, out: torch.Tensor | None, T: int) -> torch.Tensor:
         return o.reshape(T, -1)
     out.view(o.shape).copy_(o)
     return out
+
+
+@dataclass(frozen=True, eq=False)
+class CppOwnKeysPlan(Plan):
+    """A group of short rows in a step of several groups (decode rows beside a prompt chunk),
+    each row on its own keys in the C++ cascade op without a prefix part; the step has
+    stored its KV already, so the op is given no rows to store."""
+
+    kind: ClassVar[PlanKind] = PlanKind.CPP_OWN_KEYS
+    loc: torch.Tensor  # [Tg] int64: the group's new slots (only their count is used)
+    suffix_index: torch.Tensor  # [S] int64: every row's slots, row after row
+    q_offsets: torch.Tensor  # [B + 1] int64 on the host: where each row's queries start
+    k_offsets: torch.Tensor  # [B + 1] int64 on the host: where each row's keys start in suffix_index
+
+    def attend(self, q, k_buf, v_buf, layer, out=None):
+        q = q.contiguous()
+        dst = q.new_empty(q.shape) if out is None else out  # [Tg, H * D]
+        none = q.new_empty(0, k_buf.shape[1] * k_buf.shape[2])  # [0, Hkv * D]
+        torch.ops.srt_lite_cpu.cascade_attention(
+            q, none, none, k_buf, v_buf, self.loc, self.suffix_index, self.q_offsets, self.k_offsets,
+            -1, 0, self.suffix_index[:0], layer.num_heads, layer.scaling, dst,
+        )
+        return dst
+
