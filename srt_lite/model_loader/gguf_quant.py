@@ -24,7 +24,7 @@ logger = logging.getLogger(__name__)
 
 # Written next to a converted checkpoint: the GGUF file it came from.
 SOURCE_FILE = "srt_lite_gguf_source.json"
-CACHE_FILE = "srt_lite_q4.safetensors"  # load_q4_tensors' cache
+CACHE_FILE = "srt_lite_q4.st"  # load_q4_tensors' cache (safetensors; not *.safetensors, which are the checkpoint)
 GROUP = 32  # weights per GGUF block
 # GGUF name -> Hugging Face name, for the linears of a decoder layer (llama.cpp's names).
 _LAYER_LINEARS = {
