@@ -51,8 +51,8 @@ class ServerArgs:
     quantization: str | None = _arg(
         None,
         "Weight quantization. Default: the checkpoint's own, i.e. a GGUF file's Q4_0/Q4_1 "
-        "linears keep their 4-bit weights on a CPU (used for decode steps of one or two "
-        "tokens) and everything else loads dequantized. gguf: the same, and refuse a "
+        "linears keep their 4-bit weights in a bfloat16 model on a CPU (used for decode steps "
+        "of one or two tokens) and everything else loads dequantized. gguf: the same, and refuse a "
         "checkpoint that is not a GGUF file. none: dequantize everything (the old behaviour).",
         "Model",
         choices=["gguf", "none"],

@@ -111,12 +111,16 @@ class ModelRunner:
     def load_int4_weights(self) -> int:
         """A checkpoint converted from a GGUF file keeps its Q4_0/Q4_1 linears' 4-bit weights
         beside the dequantized ones (PackableLinear.use_int4), unless --quantization none.
-        torch's int4 matmul used here is the CPU one; on CUDA the weights stay dequantized."""
+        torch's CPU int4 matmul is vectorised for bf16 activations only (fp32 and fp16 take a
+        scalar loop ~10-20x slower than their own matmul), so a model in another dtype, or on
+        CUDA, runs dequantized: in fp32 exactly the dequantized checkpoint, as before."""
         mode = self.server_args.quantization
         gguf = gguf_quant.source_gguf(self.model_config.path)
         if mode == "gguf" and gguf is None:
             raise ValueError("--quantization gguf needs a .gguf checkpoint (--model-path FILE.gguf)")
-        if mode == "none" or gguf is None or self.device != "cpu" or not hasattr(self.model, "load_int4_weights"):
+        if mode == "none" or gguf is None or self.device != "cpu" or self.dtype != torch.bfloat16:
+            return 0
+        if not hasattr(self.model, "load_int4_weights"):
             return 0
         return self.model.load_int4_weights(gguf_quant.load_q4_tensors(self.model_config.path, gguf))
 
