@@ -4,7 +4,9 @@
 # ratios (the machine is noisy; never compare across runs).
 #   benchmarks/compare_with_vllm.sh LABEL [VLLM_PYTHON]
 # WORKLOADS="W3" limits the workloads; SERVERS="srt vllm" limits the servers (default: all four,
-# srt srt-ngram srt-ngram-compile vllm); ROUNDS=N repeats the servers N times in turn
+# srt srt-ngram srt-ngram-compile vllm; `llamacpp` adds llama-cpp-python's server on the default
+# model's own GGUF file, 2 threads, single-stream workloads only: LLAMACPP_WORKLOADS, default
+# "CHAT1 W1", its Python LLAMACPP_PYTHON); ROUNDS=N repeats the servers N times in turn
 # (labels LABEL-1 .. LABEL-N), so a drift of the host's speed hits every server alike.
 # vLLM comes from its own venv (docs/benchmarks.md has the install). Results:
 # benchmarks/results/{srt,srt-ngram,srt-ngram-compile,vllm}-LABEL-W{1,2,3}.json
@@ -40,6 +42,20 @@ run_vllm() {
   kill -TERM -- -$vllm; sleep 5
 }
 
+run_llamacpp() {
+  local gguf
+  gguf=$($py -c "from srt_lite.model_loader.default_model import default_gguf_path; print(default_gguf_path())")
+  setsid "${LLAMACPP_PYTHON:-/work/llama-venv/bin/python}" -m llama_cpp.server --model "$gguf" --n_threads 2 \
+    --n_ctx 2048 --port 30200 > /tmp/llamacpp-$tag.log 2>&1 &
+  local lcpp=$!
+  wait_health_models http://127.0.0.1:30200
+  "$root/benchmarks/run_workloads.sh" http://127.0.0.1:30200 "llamacpp-$tag" ${LLAMACPP_WORKLOADS:-CHAT1 W1}
+  kill -TERM -- -$lcpp; sleep 3
+}
+
+# llama-cpp-python's server has no /health.
+wait_health_models() { until curl -sf "$1/v1/models" >/dev/null; do sleep 2; done; }
+
 for round in $(seq "$rounds"); do
   tag=$label
   [ "$rounds" = 1 ] || tag=$label-$round
@@ -49,6 +65,7 @@ for round in $(seq "$rounds"); do
       srt-ngram) run_srt srt-ngram --speculative-algorithm ngram ;;
       srt-ngram-compile) run_srt srt-ngram-compile --speculative-algorithm ngram --enable-torch-compile ;;
       vllm) run_vllm ;;
+      llamacpp) run_llamacpp ;;
       *) echo "unknown server $server" >&2; exit 2 ;;
     esac
   done
