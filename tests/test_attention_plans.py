@@ -14,7 +14,6 @@ from srt_lite.layers import cpu_kernels
 from srt_lite.layers.attention import torch_native_backend as tnb
 from srt_lite.layers.attention.choose import (
     CASCADE_MIN_PREFIX,
-    TOKEN_SUFFIX_SMALL,
     PlanKind,
     choose_group,
     choose_plan,
@@ -66,12 +65,12 @@ PINNED = {
     "decode": ([(30, 1), (50, 1), (7, 1), (90, 1)], 0, [("decode", None, 0)], [("cpp_cascade", None, 0)], None),
     "decode_short_shared_prefix": ([(40, 1)] * 4, 32, [("decode", None, 0)], [("cpp_cascade", None, 0)], None),
     "decode_one_row": ([(30, 1)], 0, [("decode", None, 0)], [("cpp_cascade", None, 0)], None),
-    "decode_rows_past_the_pairs_bound": ([(450, 1)] * 20, 0, [("decode", None, 0)], [("cpp_cascade", None, 0)], None),
+    "decode_rows_many_pairs": ([(450, 1)] * 20, 0, [("decode", None, 0)], [("cpp_cascade", None, 0)], None),
     "fresh_prompt": ([(0, 40)], 0, [("prefill", None, 0)], None, None),
     "two_prompts": ([(0, 20), (0, 40)], 0, [("extend", None, 0)], None, None),
     "two_short_prompts": ([(0, 5), (0, 9)], 0, [("folded", None, 0)], [("cpp_cascade", None, 0)], None),
     "verify_rows": ([(50, 4), (60, 6)], 0, [("folded", None, 0)], [("cpp_cascade", None, 0)], None),
-    "verify_rows_many_pairs": ([(1000, 8)] * 4, 0, [("folded", None, 0)], None, None),
+    "verify_rows_many_pairs": ([(1000, 8)] * 4, 0, [("folded", None, 0)], [("cpp_cascade", None, 0)], None),
     "cached_prefix_extend": ([(40, 30)], 0, [("extend", None, 0)], [("cpp_cascade", None, 0)], None),
     "chunk_and_decode_rows": (
         [(0, 100), (30, 1), (40, 1), (50, 1)], 0, [("decode", _r(100, 103), 0), ("prefill", _r(0, 100), 0)],
@@ -92,7 +91,7 @@ PINNED = {
         [(80 + o, 1) for o in (300, 10, 250, 5)], 80, [("token_cascade", None, 80)], [("cpp_cascade", None, 80)], None,
     ),
     "verify16_on_shared_prefix_long_own": (
-        [(80 + o, 16) for o in (140, 130, 120, 150)], 80, [("token_cascade", None, 80)], [("cascade", None, 80)], None,
+        [(80 + o, 16) for o in (140, 130, 120, 150)], 80, [("token_cascade", None, 80)], [("cpp_cascade", None, 80)], None,
     ),
     "decode_and_verify_on_shared_prefix": (
         [(80, 1), (80, 5), (80, 3), (80, 1)], 80, [("token_cascade", None, 80)], [("cpp_cascade", None, 80)], None,
@@ -191,24 +190,20 @@ def test_rule_mixed_short_rows_without_a_worthwhile_prefix_go_by_kind():
     assert got == [([0], PlanKind.DECODE, 0), ([1, 2], PlanKind.FOLDED, 0)]
     # With the C++ op they are one group there, each row on its own keys...
     assert _choose([1, 4, 9], [40] * 3, shared=40, cpp=True) == [([0, 1, 2], PlanKind.CPP_CASCADE, 0)]
-    # ...unless their pairs are many (padded flash is faster then); beside a prompt, apart.
-    got = _choose([1, 16, 16], [40, 900, 900], shared=40, cpp=True)
-    assert got == [([0], PlanKind.CPP_OWN_KEYS, 0), ([1, 2], PlanKind.FOLDED, 0)]  # decode rows: always
+    # ...however many their pairs; beside a prompt, the short rows are one group of their own.
+    assert _choose([1, 16, 16], [40, 900, 900], shared=40, cpp=True) == [([0, 1, 2], PlanKind.CPP_CASCADE, 0)]
     got = _choose([1, 100], [40, 0], cpp=True)
     assert got == [([0], PlanKind.CPP_OWN_KEYS, 0), ([1], PlanKind.PREFILL, 0)]
 
 
-def test_rule_cpp_token_cascade_up_to_its_small_pair_count():
-    """Two rows of 4 tokens over a 100-slot shared prefix, one with x more own tokens: the
-    C++ op's exact suffix pairs are 4 (x + 4) + 16, never 4x fewer than padded, so it is
-    taken while they are at most TOKEN_SUFFIX_SMALL; past that, the padded cascade."""
-    x = (TOKEN_SUFFIX_SMALL - 32) // 4
-    pick = lambda x: choose_group([4, 4], [100 + x, 100], 100, cpp=True)  # noqa: E731
-    assert pick(x) == (PlanKind.CPP_CASCADE, 100)
-    assert pick(x + 1) == (PlanKind.CASCADE, 100)
-    # As rows of several kinds (cascade_only), padding the short row to the long one's
-    # suffix costs more than reading the prefix once saves: no cascade group.
-    assert choose_group([4, 4], [100 + x + 1, 100], 100, cpp=True, cascade_only=True) is None
+def test_rule_cpp_token_cascade_whatever_its_suffixes():
+    """Two rows of 4 tokens over a 100-slot shared prefix, one with many more own tokens:
+    the C++ op attends each row's own keys, so it takes the token cascade at any suffix
+    length, also for rows of several kinds (cascade_only); torch's path decides by its ratio."""
+    for x in (10, 2000, 20000):
+        assert choose_group([4, 4], [100 + x, 100], 100, cpp=True) == (PlanKind.CPP_CASCADE, 100)
+        assert choose_group([4, 4], [100 + x, 100], 100, cpp=True, cascade_only=True) == (PlanKind.CPP_CASCADE, 100)
+    assert choose_group([4, 4], [2100, 100], 100, cpp=False) == (PlanKind.TOKEN_CASCADE, 100)
 
 
 def test_rule_cascade_only_declines_when_padding_wastes_more_than_it_saves():
@@ -275,5 +270,6 @@ def test_every_plan_attends_as_plain_attention(cpp):
             got = group.plan.attend(q.index_select(0, tokens), k_buf, v_buf, LAYER)  # out=None: a new tensor
             assert (got - want[tokens]).abs().max().item() < 1e-5, (name, group.plan.kind)
     plain = {PlanKind.DECODE, PlanKind.PREFILL, PlanKind.EXTEND, PlanKind.FOLDED, PlanKind.CASCADE, PlanKind.TOKEN_CASCADE}
-    # With the C++ op every decode group runs there (alone or beside a prompt chunk).
-    assert kinds == (plain - {PlanKind.DECODE} | {PlanKind.CPP_CASCADE, PlanKind.CPP_OWN_KEYS} if cpp else plain)
+    # With the C++ op every decode and few-token group runs there (alone or beside a prompt chunk).
+    in_cpp = {PlanKind.DECODE, PlanKind.FOLDED, PlanKind.CASCADE}
+    assert kinds == (plain - in_cpp | {PlanKind.CPP_CASCADE, PlanKind.CPP_OWN_KEYS} if cpp else plain)

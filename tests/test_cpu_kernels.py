@@ -166,6 +166,53 @@ def test_bf16_linear_rejects_bad_shapes_and_dtypes():
         torch.ops.srt_lite_cpu.bf16_linear(torch.randn(2, 16), w, torch.randn(7), 16)
 
 
+def _masked_reference(q, k_buf, v_buf, rows, prefix, num_heads, scale):
+    """Each row's queries over the prefix and its own keys up to their positions, by SDPA."""
+    Hkv, D = k_buf.shape[1], k_buf.shape[2]
+    G, out, t0 = num_heads // Hkv, [], 0
+    for nq, slots in rows:
+        keys = prefix + slots
+        K = k_buf[keys].float().transpose(0, 1).repeat_interleave(G, 0)  # [H, L, D]
+        V = v_buf[keys].float().transpose(0, 1).repeat_interleave(G, 0)
+        Q = q[t0:t0 + nq].float().view(nq, num_heads, D).transpose(0, 1)  # [H, nq, D]
+        mask = torch.ones(nq, len(keys), dtype=torch.bool).tril(len(keys) - nq)
+        o = torch.nn.functional.scaled_dot_product_attention(Q, K, V, attn_mask=mask, scale=scale)
+        out.append(o.transpose(0, 1).reshape(nq, num_heads * D))
+        t0 += nq
+    return torch.cat(out)
+
+
+@pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float32])
+@pytest.mark.parametrize("heads,kv_heads,head_dim", [(9, 3, 64), (32, 8, 64), (14, 2, 64), (4, 4, 128), (8, 2, 80), (2, 1, 256)])
+@pytest.mark.parametrize("prefix_len", [0, 37])
+def test_cascade_op_matches_masked_attention(dtype, heads, kv_heads, head_dim, prefix_len):
+    """The op against SDPA over scattered slots: query groups of 1-4 heads per pass (GQA
+    groups of 1, 3, 4, 7), head sizes that are and are not a multiple of the value chunk,
+    decode rows and rows of several queries, with and without a shared prefix."""
+    g = torch.Generator().manual_seed(heads * head_dim + prefix_len)
+    lens, nqs = [1, 5, 300, 17], [1, 3, 1, 9]
+    k_buf = torch.randn(1024, kv_heads, head_dim, generator=g).to(dtype)
+    v_buf = torch.randn(1024, kv_heads, head_dim, generator=g).to(dtype)
+    perm = torch.randperm(1024, generator=g).tolist()
+    prefix, pos, rows = perm[:prefix_len], prefix_len, []
+    for n, nq in zip(lens, nqs):
+        rows.append((nq, perm[pos:pos + n]))
+        pos += n
+    q = torch.randn(sum(nqs), heads * head_dim, generator=g).to(dtype)
+    t = lambda x: torch.tensor(x, dtype=torch.int64)  # noqa: E731
+    out = torch.zeros(sum(nqs), heads * head_dim, dtype=dtype)
+    no_rows = torch.empty(0, kv_heads * head_dim, dtype=dtype)  # the KV is already stored
+    scale = head_dim ** -0.5
+    torch.ops.srt_lite_cpu.cascade_attention(
+        q, no_rows, no_rows, k_buf, v_buf, t([s for nq, sl in rows for s in sl[-nq:]]), t([s for _, sl in rows for s in sl]),
+        t([0, *torch.tensor(nqs).cumsum(0).tolist()]), t([0, *torch.tensor(lens).cumsum(0).tolist()]),
+        -1 if prefix_len else 0, prefix_len, t(prefix), heads, scale, out,
+    )
+    ref = _masked_reference(q, k_buf, v_buf, rows, prefix, heads, scale)
+    err = ((out.float() - ref).abs().max() / ref.abs().max()).item()
+    assert err < (1e-2 if dtype == torch.bfloat16 else 1e-5), err
+
+
 @pytest.mark.parametrize(
     "loc,suffix,q_off,k_off,error",
     [
@@ -196,22 +243,19 @@ def test_disabled_by_environment():
 
 
 @pytest.mark.parametrize(
-    "own,new_tokens,token_with_cpp",
+    "own,new_tokens,torch_kind",
     [
         # 8 decode rows with 6 own tokens each: one masked suffix sequence has ~8x the pairs
-        # of padding each row (the ratio rule says row by row), but the C++ loop's exact
-        # pairs are few, so with the C++ op the token cascade is taken.
-        ((6,) * 8, 1, True),
-        # 4 rows of 16 new tokens over 120-150 own tokens each: the C++ loop's exact pairs
-        # (~9.7K) are above TOKEN_SUFFIX_SMALL and not 4x fewer than the padded ones (~10.6K),
-        # where padded flash is faster, so the C++ op is not taken; without it the masked
-        # sequence (~38.6K pairs, under 4x padded) is.
-        ((140, 130, 120, 150), 16, False),
+        # of padding each row, so torch's path pads row by row.
+        ((6,) * 8, 1, PlanKind.CASCADE),
+        # 4 rows of 16 new tokens over 120-150 own tokens each: the masked sequence (~38.6K
+        # pairs) is under 4x the padded ones, so torch's path takes it.
+        ((140, 130, 120, 150), 16, PlanKind.TOKEN_CASCADE),
     ],
 )
-def test_token_cascade_choice_with_and_without_the_cpp_op(tmp_path, own, new_tokens, token_with_cpp):
-    """Rows over an 80-token shared prefix; the step's single group is a token cascade or
-    not as the rule for each path says, and the logits agree either way (fp32)."""
+def test_token_cascade_choice_with_and_without_the_cpp_op(tmp_path, own, new_tokens, torch_kind):
+    """Rows over an 80-token shared prefix: the step's single group is the C++ token cascade
+    with the op, and as torch's rule says without it; the logits agree either way (fp32)."""
     path = make_tiny_model("llama", tmp_path / "llama")
     runner = ModelRunner(ModelConfig.load(path), ServerArgs(dtype="float32", max_total_tokens=4096))
     backend = runner.attn_backend
@@ -233,10 +277,7 @@ def test_token_cascade_choice_with_and_without_the_cpp_op(tmp_path, own, new_tok
         seen.clear()
         logits[cpp] = hr.extend(rows, [80 + n for n in own], new, all_logits=True).all_logits
         (group,) = seen[0].groups
-        if cpp:
-            want = PlanKind.CPP_CASCADE if token_with_cpp else PlanKind.CASCADE
-        else:
-            want = PlanKind.CASCADE if token_with_cpp else PlanKind.TOKEN_CASCADE
+        want = PlanKind.CPP_CASCADE if cpp else torch_kind
         assert group.plan.shared_prefix_len == 80 and group.plan.kind is want
     assert torch.allclose(logits[False], logits[True], atol=1e-5)
 

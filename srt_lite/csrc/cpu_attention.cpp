@@ -18,6 +18,7 @@
 #include <ATen/cpu/vec/vec.h>
 #include <torch/library.h>
 
+#include <algorithm>
 #include <cmath>
 #include <cstring>
 #include <limits>
@@ -107,102 +108,160 @@ inline void to_float(float* dst, const c10::BFloat16* src, int64_t n, float mul)
   }
 }
 
+// One float vector of the head dimension, from T's storage.
+inline Vec load_vec(const float* p) { return Vec::loadu(p); }
+inline Vec load_vec(const c10::BFloat16* p) {
+  Vec v;
+  at::vec::load_to_float<c10::BFloat16>(p, v);
+  return v;
+}
+
+// Queries attended together in one pass over a row's keys: each key is loaded once for
+// all of them (a decode row's G query heads of one KV head), and QR x kVChunk value
+// accumulators plus the loaded vectors fit AVX-512's 32 registers.
+constexpr int64_t kQRows = 4;
+constexpr int64_t kVChunk = 4;  // head-dim vectors of V accumulated at once
+
+// acc[r][0..NV*W) += sum_j p[r][j] * v_j[0..NV*W) over keys j < n for QR queries, with V read
+// straight from the pool (widened in registers, no copy).
+template <typename T, int64_t QR, int64_t NV>
+void value_chunk(const T* vb, const int64_t* slots, int64_t row_stride, int64_t n, const float* p, int64_t ps,
+                 float* const* acc) {
+  constexpr int64_t W = Vec::size();
+  Vec a[QR][NV];
+  for (int64_t r = 0; r < QR; ++r) {
+    for (int64_t c = 0; c < NV; ++c) a[r][c] = Vec(0.f);
+  }
+  for (int64_t j = 0; j < n; ++j) {
+    const T* vj = vb + slots[j] * row_stride;
+    Vec v[NV];
+    for (int64_t c = 0; c < NV; ++c) v[c] = load_vec(vj + c * W);
+    for (int64_t r = 0; r < QR; ++r) {
+      const Vec pr(p[r * ps + j]);
+      for (int64_t c = 0; c < NV; ++c) a[r][c] = at::vec::fmadd(pr, v[c], a[r][c]);
+    }
+  }
+  for (int64_t r = 0; r < QR; ++r) {
+    for (int64_t c = 0; c < NV; ++c) a[r][c].store(acc[r] + c * W);
+  }
+}
+
+// Softmax attention of QR queries (fp32, pre-scaled, qf[r] [D]) over the first n[r] keys at
+// `slots` of one KV head (kb / vb point at that head's first element; rows row_stride
+// apart). Writes the unnormalised output to acc[r] [D] and returns each query's max score
+// and exp-sum in m[r], l[r]. s: scratch [QR, ps] for the scores, ps >= max n rounded up to W.
+// Keys are read from the pool directly: gathering and widening them first cost more than
+// the arithmetic.
+template <typename T, int64_t QR>
+void attend_queries(const float* const* qf, const int64_t* n, const T* kb, const T* vb, const int64_t* slots,
+                    int64_t row_stride, int64_t D, float* s, int64_t ps, float* const* acc, float* m, float* l) {
+  constexpr int64_t W = Vec::size();
+  const float neg_inf = -std::numeric_limits<float>::infinity();
+  int64_t nmax = 0;
+  for (int64_t r = 0; r < QR; ++r) nmax = std::max(nmax, n[r]);
+  for (int64_t j = 0; j < nmax; ++j) {
+    const T* kj = kb + slots[j] * row_stride;
+    Vec a[QR];
+    for (int64_t r = 0; r < QR; ++r) a[r] = Vec(0.f);
+    for (int64_t d = 0; d < D; d += W) {
+      const Vec kv = load_vec(kj + d);
+      for (int64_t r = 0; r < QR; ++r) a[r] = at::vec::fmadd(Vec::loadu(qf[r] + d), kv, a[r]);
+    }
+    for (int64_t r = 0; r < QR; ++r) s[r * ps + j] = a[r].reduce_add();
+  }
+  const int64_t np = (nmax + W - 1) / W * W;
+  for (int64_t r = 0; r < QR; ++r) {
+    float* sr = s + r * ps;
+    for (int64_t j = n[r]; j < np; ++j) sr[j] = neg_inf;  // past the query's position, or padding
+    Vec vmax(neg_inf);
+    for (int64_t j = 0; j < np; j += W) vmax = at::vec::maximum(vmax, Vec::loadu(sr + j));
+    m[r] = at::vec::vec_reduce_all<float>([](Vec& x, Vec& y) { return at::vec::maximum(x, y); }, vmax);
+    Vec vsum(0.f);
+    for (int64_t j = 0; j < np; j += W) {
+      const Vec e = (Vec::loadu(sr + j) - Vec(m[r])).exp_u20();
+      e.store(sr + j);
+      vsum = vsum + e;
+    }
+    l[r] = at::vec::vec_reduce_all<float>([](Vec& x, Vec& y) { return x + y; }, vsum);
+  }
+  // Keys past a query's position weigh exp(-inf) = 0, so all queries run to nmax.
+  int64_t d = 0;
+  float* out[QR];
+  for (; d + kVChunk * W <= D; d += kVChunk * W) {
+    for (int64_t r = 0; r < QR; ++r) out[r] = acc[r] + d;
+    value_chunk<T, QR, kVChunk>(vb + d, slots, row_stride, nmax, s, ps, out);
+  }
+  for (; d < D; d += W) {
+    for (int64_t r = 0; r < QR; ++r) out[r] = acc[r] + d;
+    value_chunk<T, QR, 1>(vb + d, slots, row_stride, nmax, s, ps, out);
+  }
+}
+
+template <typename T>
+void attend_any(int64_t qr, const float* const* qf, const int64_t* n, const T* kb, const T* vb, const int64_t* slots,
+                int64_t row_stride, int64_t D, float* s, int64_t ps, float* const* acc, float* m, float* l) {
+  switch (qr) {
+    case 1: return attend_queries<T, 1>(qf, n, kb, vb, slots, row_stride, D, s, ps, acc, m, l);
+    case 2: return attend_queries<T, 2>(qf, n, kb, vb, slots, row_stride, D, s, ps, acc, m, l);
+    case 3: return attend_queries<T, 3>(qf, n, kb, vb, slots, row_stride, D, s, ps, acc, m, l);
+    default: return attend_queries<T, 4>(qf, n, kb, vb, slots, row_stride, D, s, ps, acc, m, l);
+  }
+}
+
 // The suffix part of a token cascade and its merge with the prefix part, for one row and
 // KV head. Each query attends to its own row's suffix keys up to its position, computed
 // here exactly (no padding, no mask: a masked flash call over all rows' suffixes computes B
 // times the pairs), and is merged with its prefix output o_pre / lse_pre by log-sum-exp.
-// Scratch: kt [kp / W, D, W] (the keys in blocks of W = the vector width, each block
-// transposed so one vector op scores W keys; kp = k rounded up to W), vf [k, D], s [kp].
-// T: the q / KV / out dtype. Loops keep four independent accumulators, since one FMA chain
-// waits on its own latency.
+// The row's nq * G queries go kQRows at a time. Scratch: qf [kQRows, D], s [kQRows, ps],
+// acc [kQRows, D], with ps = k rounded up to the vector width.
 template <typename T>
 void suffix_row(
     const at::Tensor& q, const at::Tensor& k_buf, const at::Tensor& v_buf, const int64_t* slots, int64_t q0,
     int64_t nq, int64_t k, int64_t h, int64_t G, float scale, const at::Tensor& o_pre, const at::Tensor& lse_pre,
-    at::Tensor& out, float* kt, float* vf, float* s) {
-  const int64_t D = k_buf.size(2), Hkv = k_buf.size(1), W = Vec::size(), kp = (k + W - 1) / W * W;
-  const T* kb = k_buf.data_ptr<T>();
-  const T* vb = v_buf.data_ptr<T>();
-  float row_buf[256];  // [D]; D <= 256 is checked by the caller
-  for (int64_t j = 0; j < kp; ++j) {
-    float* blk = kt + (j / W) * D * W + j % W;
-    if (j < k) {
-      to_float(row_buf, kb + (slots[j] * Hkv + h) * D, D, 1.f);
-      to_float(vf + j * D, vb + (slots[j] * Hkv + h) * D, D, 1.f);
-    } else {
-      std::memset(row_buf, 0, D * sizeof(float));  // padding keys score 0, then are masked
-    }
-    for (int64_t d = 0; d < D; ++d) {
-      blk[d * W] = row_buf[d];
-    }
-  }
+    at::Tensor& out, float* scratch, int64_t ps) {
+  const int64_t D = k_buf.size(2), Hkv = k_buf.size(1), row_stride = Hkv * D;
+  const T* kb = k_buf.data_ptr<T>() + h * D;
+  const T* vb = v_buf.data_ptr<T>() + h * D;
   const T* qp = q.data_ptr<T>();
   T* op = out.data_ptr<T>();
   // No prefix part (a batch of rows with nothing shared): the suffix is all there is.
   const T* pre = o_pre.defined() ? o_pre.data_ptr<T>() : nullptr;
   const float* lse = lse_pre.defined() ? lse_pre.data_ptr<float>() : nullptr;
-  const float neg_inf = -std::numeric_limits<float>::infinity();
-  float qf[256], pre_f[256], acc[256];  // [D]
-  for (int64_t i = 0; i < nq; ++i) {
-    const int64_t tok = q0 + i, n = k - nq + i + 1;  // keys visible to the row's i-th query
-    const int64_t np = (n + W - 1) / W * W;
-    for (int64_t g = 0; g < G; ++g) {
-      const int64_t head = h * G + g, row = tok * G + g;  // row: the query's index in KV head h
-      to_float(qf, qp + tok * q.stride(0) + head * D, D, scale);
-      for (int64_t jb = 0; jb < np; jb += W) {
-        const float* blk = kt + jb * D;
-        Vec a0(0.f), a1(0.f), a2(0.f), a3(0.f);
-        for (int64_t d = 0; d < D; d += 4) {
-          a0 = at::vec::fmadd(Vec(qf[d]), Vec::loadu(blk + d * W), a0);
-          a1 = at::vec::fmadd(Vec(qf[d + 1]), Vec::loadu(blk + (d + 1) * W), a1);
-          a2 = at::vec::fmadd(Vec(qf[d + 2]), Vec::loadu(blk + (d + 2) * W), a2);
-          a3 = at::vec::fmadd(Vec(qf[d + 3]), Vec::loadu(blk + (d + 3) * W), a3);
-        }
-        ((a0 + a1) + (a2 + a3)).store(s + jb);
-      }
-      for (int64_t j = n; j < np; ++j) {
-        s[j] = neg_inf;  // past the query's position, or padding
-      }
-      Vec vmax(neg_inf);
-      for (int64_t jb = 0; jb < np; jb += W) {
-        vmax = at::vec::maximum(vmax, Vec::loadu(s + jb));
-      }
-      const float m = at::vec::vec_reduce_all<float>([](Vec& x, Vec& y) { return at::vec::maximum(x, y); }, vmax);
-      Vec vsum(0.f);
-      for (int64_t jb = 0; jb < np; jb += W) {
-        const Vec e = (Vec::loadu(s + jb) - Vec(m)).exp_u20();
-        e.store(s + jb);
-        vsum = vsum + e;
-      }
-      const float l = at::vec::vec_reduce_all<float>([](Vec& x, Vec& y) { return x + y; }, vsum);
-      for (int64_t d = 0; d < D; d += W) {
-        Vec a0(0.f), a1(0.f), a2(0.f), a3(0.f);
-        const float* vd = vf + d;
-        int64_t j = 0;
-        for (; j + 4 <= n; j += 4) {
-          a0 = at::vec::fmadd(Vec(s[j]), Vec::loadu(vd + j * D), a0);
-          a1 = at::vec::fmadd(Vec(s[j + 1]), Vec::loadu(vd + (j + 1) * D), a1);
-          a2 = at::vec::fmadd(Vec(s[j + 2]), Vec::loadu(vd + (j + 2) * D), a2);
-          a3 = at::vec::fmadd(Vec(s[j + 3]), Vec::loadu(vd + (j + 3) * D), a3);
-        }
-        for (; j < n; ++j) {
-          a0 = at::vec::fmadd(Vec(s[j]), Vec::loadu(vd + j * D), a0);
-        }
-        ((a0 + a1) + (a2 + a3)).store(acc + d);
-      }
+  float* qbuf = scratch;
+  float* s = qbuf + kQRows * D;
+  float* abuf = s + kQRows * ps;
+  const float* qf[kQRows];
+  float* acc[kQRows];
+  int64_t n[kQRows], toks[kQRows], gs[kQRows];
+  float m[kQRows], l[kQRows], pre_f[256];  // [D]; D <= 256 is checked by the caller
+  const int64_t total = nq * G;
+  for (int64_t first = 0; first < total; first += kQRows) {
+    const int64_t qr = std::min(kQRows, total - first);
+    for (int64_t r = 0; r < qr; ++r) {
+      const int64_t i = (first + r) / G, g = (first + r) % G;
+      toks[r] = q0 + i;
+      gs[r] = g;
+      n[r] = k - nq + i + 1;  // keys visible to the row's i-th query
+      to_float(qbuf + r * D, qp + toks[r] * q.stride(0) + (h * G + g) * D, D, scale);
+      qf[r] = qbuf + r * D;
+      acc[r] = abuf + r * D;
+    }
+    attend_any<T>(qr, qf, n, kb, vb, slots, row_stride, D, s, ps, acc, m, l);
+    for (int64_t r = 0; r < qr; ++r) {
+      const int64_t tok = toks[r], head = h * G + gs[r], row = tok * G + gs[r];  // row: the query's index in KV head h
       // Softmax over both key sets: the prefix's share of the mass is sigmoid(lse_pre - lse_suf).
-      const float lse_suf = m + std::log(l);
-      float w_suf = 1.f / l;
+      const float lse_suf = m[r] + std::log(l[r]);
+      float w_suf = 1.f / l[r];
       if (pre != nullptr) {
         const float w_pre = 1.f / (1.f + std::exp(lse_suf - lse[h * lse_pre.stride(1) + row * lse_pre.stride(2)]));
-        w_suf = (1.f - w_pre) / l;
+        w_suf = (1.f - w_pre) / l[r];
         to_float(pre_f, pre + h * o_pre.stride(1) + row * o_pre.stride(2), D, w_pre);
       } else {
         std::memset(pre_f, 0, D * sizeof(float));
       }
       T* dst = op + tok * out.stride(0) + head * D;
       for (int64_t d = 0; d < D; ++d) {
-        dst[d] = static_cast<T>(pre_f[d] + w_suf * acc[d]);
+        dst[d] = static_cast<T>(pre_f[d] + w_suf * acc[r][d]);
       }
     }
   }
@@ -264,14 +323,14 @@ void cascade_attention(
     max_k = std::max(max_k, ko[b + 1] - ko[b]);
   }
   at::parallel_for(0, B * Hkv, 1, [&](int64_t begin, int64_t end) {
-    const int64_t kp = (max_k + Vec::size() - 1) / Vec::size() * Vec::size();
-    std::vector<float> scratch((2 * D + 1) * kp);  // kt [kp / W, D, W], vf [k, D], s [kp]
+    const int64_t ps = (max_k + Vec::size() - 1) / Vec::size() * Vec::size();
+    std::vector<float> scratch(kQRows * (2 * D + ps));  // see suffix_row
     for (int64_t task = begin; task < end; ++task) {
       const int64_t b = task / Hkv, h = task % Hkv;
       auto* row = dtype == at::kBFloat16 ? &suffix_row<c10::BFloat16> : &suffix_row<float>;
       row(
           q, k_buf, v_buf, slots + ko[b], qo[b], qo[b + 1] - qo[b], ko[b + 1] - ko[b], h, G, static_cast<float>(scale),
-          o_pre, lse_pre, out, scratch.data(), scratch.data() + D * kp, scratch.data() + 2 * D * kp);
+          o_pre, lse_pre, out, scratch.data(), ps);
     }
   });
 }

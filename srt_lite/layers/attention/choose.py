@@ -22,16 +22,13 @@ CASCADE_MIN_PREFIX = 64
 VERIFY_MAX_Q = 16
 # Rows with at most this many new tokens over a shared prefix join a cascade group.
 CASCADE_MAX_Q = 32
-# A cascade's suffixes are attended as one masked sequence when that has at most this many
-# times the query-key pairs of padding each row's queries to the longest row: the CPU flash
-# kernel computes many more pairs a second in one large call than in several small padded
-# ones. With the C++ op, whose suffix loop computes only each row's own pairs, when those
-# are this many times fewer than the padded ones.
+# Without the C++ op, a cascade's suffixes are attended as one masked sequence when that has
+# at most this many times the query-key pairs of padding each row's queries to the longest
+# row: the CPU flash kernel computes many more pairs a second in one large call than in
+# several small padded ones. The C++ op's suffix loop computes only each row's own pairs,
+# reading keys straight from the pool, and was faster than the padded path at every size
+# measured (docs/development.md), so with it the token cascade is always taken.
 TOKEN_SUFFIX_GAIN = 4
-# ...or, with the C++ op, when its exact suffix pairs are at most this many, whatever padding
-# would cost: below it the padded path's Python op calls cost more than the C++ loop; above
-# it the padded flash call is faster.
-TOKEN_SUFFIX_SMALL = 8192
 # Dtypes the C++ cascade op computes in (q, KV pool and output alike).
 CPP_DTYPES = (torch.bfloat16, torch.float32)
 
@@ -66,15 +63,11 @@ def may_share_prefix(ext: list[int]) -> bool:
     return len(ext) > 1 and max(ext) <= CASCADE_MAX_Q
 
 
-def own_keys_in_cpp(ext: list[int], prefix: list[int]) -> bool:
+def own_keys_in_cpp(ext: list[int]) -> bool:
     """Whether rows that share no prefix go to the C++ op, each on its own keys (prefix
-    length 0). Decode rows always: the padded path's gather of every row's keys and its
-    flash call over one query per row cost several times the C++ loop at any length. Rows
-    of a few tokens while their pairs are few, as for the token cascade."""
-    if max(ext) == 1:
-        return True
-    pairs = sum(e * (p + e) for e, p in zip(ext, prefix))
-    return max(ext) <= CASCADE_MAX_Q and pairs <= TOKEN_SUFFIX_SMALL
+    length 0): rows of up to CASCADE_MAX_Q tokens. The padded path gathers every row's keys
+    and pads its queries; the C++ loop reads each row's own keys once for all its queries."""
+    return max(ext) <= CASCADE_MAX_Q
 
 
 def choose_group(
@@ -88,13 +81,11 @@ def choose_group(
     seq_lens = [p + e for p, e in zip(prefix, ext)]
     padded = B * max_q * (max(seq_lens) - shared)  # suffix pairs, each row's queries padded
     exact = sum(e * (k - shared) for e, k in zip(ext, seq_lens))  # each row's own suffix pairs
-    if cpp:
-        token = exact <= TOKEN_SUFFIX_SMALL or TOKEN_SUFFIX_GAIN * exact <= padded
-    else:  # the suffixes as one masked sequence
-        token = sum(ext) * (sum(seq_lens) - B * shared) <= TOKEN_SUFFIX_GAIN * padded
+    # The C++ op attends each row's own suffix; torch's path, the suffixes as one masked sequence.
+    token = cpp or sum(ext) * (sum(seq_lens) - B * shared) <= TOKEN_SUFFIX_GAIN * padded
     if shared >= CASCADE_MIN_PREFIX and token:
         return (PlanKind.CPP_CASCADE if cpp else PlanKind.TOKEN_CASCADE), shared
-    if cpp and not cascade_only and own_keys_in_cpp(ext, prefix):
+    if cpp and not cascade_only and own_keys_in_cpp(ext):
         return PlanKind.CPP_CASCADE, 0
     if cascade_only:
         # Suffix queries are padded to the longest row; the prefix part is not padded.
@@ -154,7 +145,7 @@ def choose_plan(
     kinds = [row_kind(ext[b], prefix[b]) for b in rest]
     by_kind = [rows for k in RowKind if (rows := [b for b, kb in zip(rest, kinds) if kb == k])]
     alone = len(groups) + len(by_kind) == 1
-    if cpp and not groups and not alone and own_keys_in_cpp(ext, prefix):
+    if cpp and not groups and not alone and own_keys_in_cpp(ext):
         # Decode and verify rows together, sharing nothing: one C++ call instead of a
         # Python plan per kind.
         return [GroupChoice(list(range(B)), PlanKind.CPP_CASCADE, 0)]
@@ -162,7 +153,7 @@ def choose_plan(
     if cpp and not alone:
         # Beside a prompt chunk, the decode and few-token rows still run in C++, as one group.
         def own(rows: list[int]) -> bool:
-            return own_keys_in_cpp([ext[b] for b in rows], [prefix[b] for b in rows])
+            return own_keys_in_cpp([ext[b] for b in rows])
 
         short = [c for c in chosen if c.kind in (PlanKind.DECODE, PlanKind.FOLDED)]
         rows = sorted(b for c in short for b in c.rows)
