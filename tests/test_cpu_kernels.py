@@ -339,3 +339,50 @@ def test_compiled_graphs_are_cached_per_build_of_the_ops(monkeypatch, tmp_path):
     monkeypatch.setenv("TORCHINDUCTOR_CACHE_DIR", str(tmp_path / "mine"))
     cpu_kernels.use_private_inductor_cache()
     assert os.environ["TORCHINDUCTOR_CACHE_DIR"] == str(tmp_path / "mine")
+
+
+@pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float16, torch.float32])
+@pytest.mark.parametrize("rows", [1, 5, 64])
+def test_elementwise_ops_round_as_the_torch_ops(dtype, rows):
+    """RMSNorm (with and without the residual add), RoPE and SiLU-and-mul in C++ against the
+    torch ops they replace in RMSNorm, RotaryEmbedding and SiluAndMul. RoPE and SiLU round
+    each step as torch does and agree bit for bit; the residual sum too; the norm sums its
+    squares in another order, so its output may differ by a unit of the last place (in bf16
+    and fp16 rarely, where its rounding hides the factor's last bits)."""
+    from srt_lite.layers.activation import SiluAndMul
+    from srt_lite.layers.layernorm import RMSNorm
+
+    g = torch.Generator().manual_seed(rows)
+    n = 200  # not a multiple of any vector width
+    norm = RMSNorm(n, 1e-5).to(dtype)
+    norm.weight.data = (torch.randn(n, generator=g) * 0.3 + 1).to(dtype)
+    x, r = (torch.randn(rows, n, generator=g) * 3).to(dtype), torch.randn(rows, n, generator=g).to(dtype)
+    ulp = {torch.bfloat16: 2**-7, torch.float16: 2**-10, torch.float32: 2**-23}[dtype]
+    want_h = x + r
+    got, got_h = torch.ops.srt_lite_cpu.add_rms_norm(x, r, norm.weight, 1e-5)
+    assert torch.equal(got_h, want_h)
+    for want, got in ((norm._norm(want_h), got), (norm._norm(x), torch.ops.srt_lite_cpu.rms_norm(x, norm.weight, 1e-5))):
+        assert ((want.float() - got.float()).abs() <= ulp * want.float().abs() * 2).all()
+        if dtype != torch.float32:  # in fp32 a factor one ulp apart moves most elements
+            assert (want != got).float().mean() < 0.02
+    heads, D = 5, 48
+    qk = torch.randn(rows, heads + 2, D, generator=g).to(dtype)[:, :heads]  # heads of a wider row
+    cos, sin = (torch.randn(rows, 1, D, generator=g).to(dtype) for _ in range(2))
+    want = qk * cos + torch.cat((qk[..., D // 2:], qk[..., : D // 2]), dim=-1) * sin
+    assert torch.equal(torch.ops.srt_lite_cpu.rope(qk, cos, sin), want)
+    gate_up = (torch.randn(rows, 2 * 100, generator=g) * 4).to(dtype)
+    want = torch.nn.functional.silu(gate_up[:, :100]) * gate_up[:, 100:]
+    assert torch.equal(torch.ops.srt_lite_cpu.silu_and_mul(gate_up), want)
+    assert torch.equal(SiluAndMul()(gate_up), want)  # the layer takes the C++ op on CPU
+
+
+def test_elementwise_ops_reject_bad_shapes():
+    w = torch.ones(8)
+    with pytest.raises(RuntimeError, match="weight"):
+        torch.ops.srt_lite_cpu.rms_norm(torch.randn(2, 9), w, 1e-6)
+    with pytest.raises(RuntimeError, match="residual"):
+        torch.ops.srt_lite_cpu.add_rms_norm(torch.randn(2, 8), torch.randn(3, 8), w, 1e-6)
+    with pytest.raises(RuntimeError, match="cos / sin"):
+        torch.ops.srt_lite_cpu.rope(torch.randn(2, 3, 8), torch.randn(2, 1, 4), torch.randn(2, 1, 8))
+    with pytest.raises(RuntimeError, match="even"):
+        torch.ops.srt_lite_cpu.silu_and_mul(torch.randn(2, 7))

@@ -3,7 +3,8 @@
 torch.utils.cpp_extension compiles them with the machine's C++ compiler (the one inductor's
 C++ wrapper uses) into the srt_lite cache, once per machine and torch version,
 and registers `torch.ops.srt_lite_cpu.*`: the attention backend's cascade step, the
-compiled graph's packed linear, and the bf16-weight linear for CPUs without fast oneDNN bf16.
+compiled graph's packed linear, the bf16-weight linear for CPUs without fast oneDNN bf16,
+and a decoder layer's elementwise ops (RMSNorm, RoPE, SiLU-and-mul).
 Without a compiler, or with SRT_LITE_DISABLE_CPU_KERNELS=1, `load()` returns False and the
 callers keep their torch ops.
 """
@@ -23,7 +24,7 @@ from srt_lite.utils import cache_root
 logger = logging.getLogger(__name__)
 
 _CSRC = os.path.join(os.path.dirname(os.path.dirname(__file__)), "csrc")
-SOURCES = [os.path.join(_CSRC, name) for name in ("cpu_attention.cpp", "cpu_linear.cpp")]
+SOURCES = [os.path.join(_CSRC, name) for name in ("cpu_attention.cpp", "cpu_linear.cpp", "cpu_norm_rope.cpp")]
 _loaded: bool | None = None
 # Compiler flags by CPU level (srt_lite.cpu_caps), so at::vec in the sources gets the vector
 # width ATen's own kernels use on this CPU (as ATen builds its AVX2 and AVX-512 kernels).
@@ -56,9 +57,12 @@ def _build() -> bool:
         level = cpu_caps.get().level
         build_dir = os.path.join(cache_root(), "torch_extensions", f"cpu_ops-torch{torch.__version__}-{level}")
         os.makedirs(build_dir, exist_ok=True)
+        # -ffp-contract=off: the elementwise ops round each product as the torch ops they
+        # replace do; a fused multiply-add would skip a rounding (the vector kernels call
+        # their FMAs explicitly).
         cpp_extension.load(
             name="srt_lite_cpu", sources=SOURCES, build_directory=build_dir,
-            extra_cflags=["-O3", "-fopenmp", *VEC_FLAGS.get(level, [])], extra_ldflags=["-fopenmp"],
+            extra_cflags=["-O3", "-fopenmp", "-ffp-contract=off", *VEC_FLAGS.get(level, [])], extra_ldflags=["-fopenmp"],
             is_python_module=False, verbose=False,
         )
     except Exception as e:  # no compiler or ninja: the torch ops path is always there
@@ -102,3 +106,9 @@ def _ninja_on_path() -> None:
     path = os.environ.get("PATH", "")
     if ninja.BIN_DIR not in path.split(os.pathsep):
         os.environ["PATH"] = ninja.BIN_DIR + os.pathsep + path
+
+
+def eager_cpu(x: torch.Tensor) -> bool:
+    """Whether an eager op on x can take a C++ elementwise op: a CPU tensor outside a traced
+    graph (inductor fuses the torch ops there itself), with the ops built."""
+    return x.device.type == "cpu" and not torch.compiler.is_compiling() and load()

@@ -4,6 +4,7 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
+from srt_lite.layers import cpu_kernels
 from srt_lite.model_loader.weight_utils import TensorSource, read_all
 
 
@@ -31,6 +32,12 @@ class RMSNorm(nn.Module):
     def forward(
         self, x: torch.Tensor, residual: torch.Tensor | None = None
     ) -> torch.Tensor | tuple[torch.Tensor, torch.Tensor]:
+        if self.weight.dtype == x.dtype and x.is_contiguous() and cpu_kernels.eager_cpu(x):
+            # One C++ call for what is otherwise 5-8 small ops (same rounding).
+            if residual is None:
+                return torch.ops.srt_lite_cpu.rms_norm(x, self.weight, self.eps)
+            if residual.is_contiguous():
+                return torch.ops.srt_lite_cpu.add_rms_norm(x, residual, self.weight, self.eps)
         if residual is None:
             return self._norm(x)
         residual = x + residual

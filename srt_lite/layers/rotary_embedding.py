@@ -10,6 +10,8 @@ from __future__ import annotations
 import torch
 from torch import nn
 
+from srt_lite.layers import cpu_kernels
+
 
 def _rope_parameters(hf_config) -> dict:
     params = getattr(hf_config, "rope_parameters", None)
@@ -56,6 +58,8 @@ class RotaryEmbedding(nn.Module):
         if self.rotary_dim == x.shape[-1]:
             # x * [cos, cos] + [x2, x1] * [-sin, sin]: HF's x*cos + rotate_half(x)*sin with
             # the sign moved into the table; each product and sum rounds as HF's does.
+            if x.stride(-1) == 1 and x.stride(-2) == x.shape[-1] and cpu_kernels.eager_cpu(x):
+                return torch.ops.srt_lite_cpu.rope(x, cos, sin)  # one call, the same rounding
             half = self.rotary_dim // 2
             return x * cos + torch.cat((x[..., half:], x[..., :half]), dim=-1) * sin
         rot, rest = x[..., : self.rotary_dim], x[..., self.rotary_dim :]
