@@ -167,7 +167,7 @@ void attend_queries(const float* const* qf, const int64_t* n, const T* kb, const
       const Vec kv = load_vec(kj + d);
       for (int64_t r = 0; r < QR; ++r) a[r] = at::vec::fmadd(Vec::loadu(qf[r] + d), kv, a[r]);
     }
-    for (int64_t r = 0; r < QR; ++r) s[r * ps + j] = a[r].reduce_add();
+    for (int64_t r = 0; r < QR; ++r) s[r * ps + j] = at::vec::vec_reduce_all<float>([](Vec& x, Vec& y) { return x + y; }, a[r]);
   }
   const int64_t np = (nmax + W - 1) / W * W;
   for (int64_t r = 0; r < QR; ++r) {
