@@ -8,8 +8,8 @@ import signal
 import sys
 from typing import TYPE_CHECKING
 
+from srt_lite.entrypoints.child_processes import start_forkserver
 from srt_lite.server_args import ServerArgs, prepare_server_args
-from srt_lite.utils import configure_logging, set_process_title
 
 if TYPE_CHECKING:
     from srt_lite.managers.tokenizer_manager import TokenizerManager
@@ -131,6 +131,10 @@ async def _close(tm: TokenizerManager) -> None:
 
 def main(argv: list[str] | None = None) -> None:
     server_args = prepare_server_args(argv)
+    # The children's forkserver imports torch and transformers while this process does.
+    start_forkserver()
+    from srt_lite.utils import configure_logging, set_process_title
+
     configure_logging(server_args.log_level)
     set_process_title("srt_lite::server")
     from srt_lite.model_loader.default_model import ModelPathError

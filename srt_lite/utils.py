@@ -153,8 +153,11 @@ def init_child_process(title: str, ipc_dir: str) -> None:
 
     signal.signal(signal.SIGTERM, on_sigterm)
     die_with_parent(signal.SIGTERM)
+    # The parent that started this process may not be the one it was forked from (the
+    # launcher's forkserver, which exits when the launcher does): the PDEATHSIG above is tied
+    # to the forking one, and the launcher's liveness is read from its sentinel.
     parent = multiprocessing.parent_process()
-    if parent is not None and os.getppid() != parent.pid:  # it died before prctl took effect
+    if parent is not None and not parent.is_alive():  # it died before prctl took effect
         on_sigterm(signal.SIGTERM, None)
     try:
         os.setpgrp()

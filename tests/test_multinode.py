@@ -87,7 +87,8 @@ def greedy(base_url: str) -> tuple[list[str], str]:
 
 
 def srt_lite_names(procs: list[psutil.Process]) -> list[str]:
-    """The titles of srt_lite's own processes (multiprocessing adds a resource tracker)."""
+    """The titles of srt_lite's own processes (multiprocessing adds a resource tracker; the
+    forkserver that the ranks fork from carries srt_lite::forkserver)."""
     return sorted(n for n in (p.name() for p in procs) if n.startswith("srt_lite::"))
 
 
@@ -115,8 +116,8 @@ def test_two_nodes_serve_what_tp1_serves_and_stop_with_node_0(tp1_greedy, pair):
     head, follower = pair
     head_procs = [psutil.Process(head.proc.pid), *head.children()]
     follower_procs = [psutil.Process(follower.proc.pid), *follower.children()]
-    assert srt_lite_names(head.children()) == ["srt_lite::detokenizer", "srt_lite::scheduler_TP0"]
-    assert srt_lite_names(follower.children()) == ["srt_lite::scheduler_TP1"], "node 1 runs its rank only"
+    assert srt_lite_names(head.children()) == ["srt_lite::detokenizer", "srt_lite::forkserver", "srt_lite::scheduler_TP0"]
+    assert srt_lite_names(follower.children()) == ["srt_lite::forkserver", "srt_lite::scheduler_TP1"], "node 1 runs its rank only"
     # The store, gloo's pairs and the HTTP server listen on loopback, never everywhere.
     assert listening_addresses(head_procs + follower_procs) == {"127.0.0.1"}
 

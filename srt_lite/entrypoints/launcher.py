@@ -12,6 +12,7 @@ import threading
 from multiprocessing.connection import wait
 from typing import Callable
 
+from srt_lite.entrypoints.child_processes import child_context, child_main, start_forkserver
 from srt_lite.managers.detokenizer_manager import run_detokenizer_process
 from srt_lite.managers.io_struct import SchedulerReady
 from srt_lite.managers.scheduler import run_scheduler_process
@@ -30,8 +31,9 @@ class Subprocesses:
         self._watchdog: threading.Thread | None = None
 
     def start(self, name: str, target, args: tuple) -> mp.connection.Connection:
-        reader, writer = mp.get_context("spawn").Pipe(duplex=False)
-        proc = mp.get_context("spawn").Process(target=target, args=(*args, writer), name=name, daemon=True)
+        ctx = child_context()
+        reader, writer = ctx.Pipe(duplex=False)
+        proc = ctx.Process(target=child_main, args=(dict(os.environ), target, *args, writer), name=name, daemon=True)
         proc.start()
         writer.close()
         self.procs.append((name, proc))
@@ -98,6 +100,7 @@ def launch_subprocesses(server_args: ServerArgs) -> LaunchResult:
     """Converts the model if needed (once, here, so children never race on it), then starts
     this node's scheduler rank(s) and, on node 0, the detokenizer, and waits until every one
     is ready."""
+    start_forkserver()
     model_dir = resolve_model_path(server_args.model_path)
     model_config = ModelConfig.load(model_dir, server_args.context_length)
     model_config.verify_tp(server_args.tp_size)

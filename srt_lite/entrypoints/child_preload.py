@@ -1,0 +1,21 @@
+"""Imported once by the forkserver that the scheduler ranks and the detokenizer fork from
+(srt_lite/entrypoints/launcher.py), so that each child starts with these modules loaded.
+
+Importing torch, transformers and the scheduler's modules is most of a child's start-up
+CPU time; with `spawn` every child paid it again, on the same cores as its siblings.
+Nothing here may run a torch op or start a thread: a forked child must get a clean OpenMP
+pool and its own environment (the launcher hands each child its parent's os.environ).
+"""
+
+try:  # initialised here, before a child swaps its environment (it relocates environ)
+    import setproctitle
+
+    setproctitle.setproctitle("srt_lite::forkserver")
+except ImportError:
+    pass
+import transformers.modeling_utils  # noqa: F401  what AutoConfig of any decoder model pulls in
+import transformers.models.auto.tokenization_auto  # noqa: F401
+import transformers.tokenization_utils_tokenizers  # noqa: F401
+
+import srt_lite.managers.detokenizer_manager  # noqa: F401
+import srt_lite.managers.scheduler  # noqa: F401
