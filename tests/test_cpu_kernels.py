@@ -17,7 +17,7 @@ from srt_lite import cpu_caps
 from srt_lite.layers import cpu_kernels
 from srt_lite.layers.attention.choose import PlanKind, cpp_cascade_ok
 from srt_lite.layers.attention.steps import CppCascadePlan
-from srt_lite.layers.linear import PATH_PACKED, PackableLinear, packed_linear
+from srt_lite.layers.linear import PATH_PACKED, PackableLinear, bf16_gemv_available, packed_linear
 from srt_lite.model_config import ModelConfig
 from srt_lite.model_executor.model_runner import ModelRunner
 from srt_lite.server_args import ServerArgs
@@ -164,6 +164,71 @@ def test_bf16_linear_rejects_bad_shapes_and_dtypes():
         torch.ops.srt_lite_cpu.bf16_linear(torch.randn(2, 16), w.float(), None, 16)
     with pytest.raises(RuntimeError, match="bias must be"):
         torch.ops.srt_lite_cpu.bf16_linear(torch.randn(2, 16), w, torch.randn(7), 16)
+
+
+GEMV = pytest.mark.skipif(not bf16_gemv_available(), reason="bf16_gemv needs AVX512-BF16, uncapped")
+
+
+def test_bf16_gemv_only_where_the_cpu_has_avx512_bf16():
+    """The capped leg of make test (SRT_LITE_CPU_CAPS=avx2) runs this with the cap: there
+    the GEMV must be off, and the LM head keeps its other paths."""
+    caps = cpu_caps.get()
+    assert bf16_gemv_available() == (caps.avx512_bf16 and torch.ops.srt_lite_cpu.bf16_gemv_supported())
+    if caps.forced is not None:
+        assert not bf16_gemv_available()
+
+
+@GEMV
+@pytest.mark.parametrize("N,K", [(203, 83), (64, 576), (40, 4096), (19, 4160), (9, 8192), (1, 31)])
+def test_bf16_gemv_matches_the_fp32_product(N, K):
+    """Row-at-a-time (K up to 4096) and 8-row blocks (beyond), output counts off the blocks,
+    K with tails past the 32-wide vectors and within one: fp32 sums of the exact bf16
+    products, so within a bf16 rounding of the fp32 product."""
+    g = torch.Generator().manual_seed(5)
+    w = torch.randn(N, K, generator=g).bfloat16()
+    x = torch.randn(1, K, generator=g).bfloat16()
+    got = torch.ops.srt_lite_cpu.bf16_gemv(x, w)
+    assert got.dtype == torch.bfloat16 and got.shape == (1, N)
+    want = x.float() @ w.float().t()
+    torch.testing.assert_close(got.float(), want, rtol=8e-3, atol=1e-3 * K**0.5)
+
+
+@GEMV
+def test_bf16_gemv_rejects_bad_shapes_and_dtypes():
+    w = torch.randn(8, 16).bfloat16()
+    with pytest.raises(RuntimeError, match="x must be"):
+        torch.ops.srt_lite_cpu.bf16_gemv(torch.randn(2, 16).bfloat16(), w)
+    with pytest.raises(RuntimeError, match="x must be"):
+        torch.ops.srt_lite_cpu.bf16_gemv(torch.randn(1, 16), w)
+    with pytest.raises(RuntimeError, match="weight must be"):
+        torch.ops.srt_lite_cpu.bf16_gemv(torch.randn(1, 16).bfloat16(), w.float())
+
+
+@GEMV
+def test_tied_lm_head_computes_one_tokens_logits_in_the_gemv(monkeypatch):
+    """A tied embedding keeps its plain weight for the lookup beside the packed copy: one
+    token's logits come from the GEMV over the plain weight, more tokens' from the packed
+    copy, and both agree with the fp32 product."""
+    from srt_lite.layers import embedding
+
+    g = torch.Generator().manual_seed(6)
+    head = embedding.VocabParallelEmbedding(1000, 64)
+    head.weight.data = torch.randn(1000, 64, generator=g).bfloat16()
+    head.pack_for_cpu()
+    assert head.gemv
+    hidden = torch.randn(2, 64, generator=g).bfloat16()
+    one = head.compute_logits(hidden[:1])
+    assert torch.equal(one, torch.ops.srt_lite_cpu.bf16_gemv(hidden[:1], head.weight).float())
+    two = head.compute_logits(hidden)
+    assert torch.equal(two, packed_linear(hidden, head.packed_weight, None).float())
+    want = hidden.float() @ head.weight.float().t()
+    torch.testing.assert_close(one, want[:1], rtol=8e-3, atol=1e-2)
+    monkeypatch.setattr(embedding.cpu_kernels, "eager_cpu", lambda x: False)  # as in a traced graph
+    assert torch.equal(head.compute_logits(hidden[:1]), packed_linear(hidden[:1], head.packed_weight, None).float())
+    untied = embedding.ParallelLMHead(1000, 64)
+    untied.weight.data = head.weight.data.clone()
+    untied.pack_for_cpu()
+    assert not untied.gemv  # its plain weight is freed once packed
 
 
 def _masked_reference(q, k_buf, v_buf, rows, prefix, num_heads, scale):

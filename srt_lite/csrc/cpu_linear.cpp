@@ -14,6 +14,9 @@
 #include <ATen/Parallel.h>
 #include <ATen/cpu/vec/functional.h>
 #include <ATen/cpu/vec/vec.h>
+#if defined(__x86_64__)
+#include <immintrin.h>
+#endif
 #include <torch/library.h>
 
 #include <algorithm>
@@ -171,12 +174,102 @@ at::Tensor bf16_linear(const at::Tensor& x, const at::Tensor& weight, const std:
   return out;
 }
 
+#if defined(CPU_CAPABILITY_AVX512) && defined(__GNUC__)
+#define SRT_LITE_HAVE_BF16_DOT 1
+// out[j] = dot(x, w[j]) for WR weight rows, in AVX512-BF16 dot products (vdpbf16ps: pairs of
+// bf16 products summed into fp32 lanes), U vectors of K in flight per row. Built for that
+// target alone; called only where the CPU has the instructions (the caller checks).
+template <int WR, int U>
+__attribute__((target("avx512f,avx512bw,avx512vl,avx512bf16")))
+inline void bf16_dot_rows(const uint16_t* x, const uint16_t* w, int64_t K, float* out) {
+  __m512 acc[WR][U];
+  for (int j = 0; j < WR; ++j) {
+    for (int u = 0; u < U; ++u) acc[j][u] = _mm512_setzero_ps();
+  }
+  int64_t k = 0;
+  for (; k + 32 * U <= K; k += 32 * U) {
+    for (int u = 0; u < U; ++u) {
+      const __m512i xv = _mm512_loadu_si512(x + k + 32 * u);
+      for (int j = 0; j < WR; ++j) {
+        acc[j][u] = _mm512_dpbf16_ps(acc[j][u], (__m512bh)xv, (__m512bh)_mm512_loadu_si512(w + j * K + k + 32 * u));
+      }
+    }
+  }
+  for (; k < K; k += 32) {  // the tail, masked: zeros add nothing
+    const __mmask32 mask = K - k >= 32 ? static_cast<__mmask32>(0xffffffffu) : static_cast<__mmask32>((1ull << (K - k)) - 1);
+    const __m512i xv = _mm512_maskz_loadu_epi16(mask, x + k);
+    for (int j = 0; j < WR; ++j) {
+      acc[j][0] = _mm512_dpbf16_ps(acc[j][0], (__m512bh)xv, (__m512bh)_mm512_maskz_loadu_epi16(mask, w + j * K + k));
+    }
+  }
+  for (int j = 0; j < WR; ++j) {
+    __m512 sum = acc[j][0];
+    for (int u = 1; u < U; ++u) sum = _mm512_add_ps(sum, acc[j][u]);
+    out[j] = _mm512_reduce_add_ps(sum);
+  }
+}
+
+// y [N] = W [N, K] . x [K], blocks of WR rows per step.
+template <int WR, int U>
+void bf16_gemv_rows(const uint16_t* x, const uint16_t* w, float* y, int64_t N, int64_t K) {
+  const int64_t blocks = N / WR;
+  at::parallel_for(0, blocks, std::max<int64_t>(1, 16384 / (WR * K)), [&](int64_t begin, int64_t end) {
+    for (int64_t b = begin; b < end; ++b) bf16_dot_rows<WR, U>(x, w + b * WR * K, K, y + b * WR);
+  });
+  for (int64_t n = blocks * WR; n < N; ++n) bf16_dot_rows<1, 1>(x, w + n * K, K, y + n);
+}
+#endif
+
+bool bf16_dot_supported() {
+#ifdef SRT_LITE_HAVE_BF16_DOT
+  return __builtin_cpu_supports("avx512bf16");
+#else
+  return false;
+#endif
+}
+
+// x [1, K] bf16, weight [N, K] bf16 -> [1, N] bf16: one token's product, bound by reading the
+// weight. Each thread streams its share of rows front to back; a row at a time (eight
+// vectors in flight) reads fastest while x stays in L1 (K up to 4096), and blocks of eight
+// rows beyond, where one pass of x per row would be evicted by the weight's stream.
+at::Tensor bf16_gemv(const at::Tensor& x, const at::Tensor& weight) {
+  TORCH_CHECK(bf16_dot_supported(), "bf16_gemv: this CPU (or build) has no AVX512-BF16");
+  TORCH_CHECK(weight.scalar_type() == at::kBFloat16 && weight.dim() == 2 && weight.is_contiguous(),
+              "bf16_gemv: weight must be a contiguous bf16 [N, K]");
+  TORCH_CHECK(x.scalar_type() == at::kBFloat16 && x.dim() == 2 && x.size(0) == 1 && x.size(1) == weight.size(1),
+              "bf16_gemv: x must be bf16 [1, K] with K = ", weight.size(1));
+  const int64_t N = weight.size(0), K = weight.size(1);
+  at::Tensor out = at::empty({1, N}, x.options());  // [1, N]
+#ifdef SRT_LITE_HAVE_BF16_DOT
+  at::Tensor xc = x.contiguous();
+  thread_local std::vector<float> y;
+  y.resize(N);  // [N] fp32 sums, rounded once into out
+  const auto* xp = reinterpret_cast<const uint16_t*>(xc.data_ptr<c10::BFloat16>());
+  const auto* wp = reinterpret_cast<const uint16_t*>(weight.data_ptr<c10::BFloat16>());
+  if (K <= 4096) {
+    bf16_gemv_rows<1, 8>(xp, wp, y.data(), N, K);
+  } else {
+    bf16_gemv_rows<8, 1>(xp, wp, y.data(), N, K);
+  }
+  c10::BFloat16* op = out.data_ptr<c10::BFloat16>();
+  for (int64_t n = 0; n < N; ++n) op[n] = static_cast<c10::BFloat16>(y[n]);
+#endif
+  return out;
+}
+
 }  // namespace
 
 TORCH_LIBRARY_FRAGMENT(srt_lite_cpu, m) {
   m.def("bf16_linear(Tensor x, Tensor weight, Tensor? bias, int few_rows_max) -> Tensor");
+  m.def("bf16_gemv(Tensor x, Tensor weight) -> Tensor");
+  m.def("bf16_gemv_supported() -> bool");
 }
 
 TORCH_LIBRARY_IMPL(srt_lite_cpu, CPU, m) {
   m.impl("bf16_linear", &bf16_linear);
+  m.impl("bf16_gemv", &bf16_gemv);
+}
+
+TORCH_LIBRARY_IMPL(srt_lite_cpu, CompositeExplicitAutograd, m) {
+  m.impl("bf16_gemv_supported", &bf16_dot_supported);
 }

@@ -7,7 +7,8 @@ import torch.nn.functional as F
 from torch import nn
 
 from srt_lite.distributed import get_tp_rank, get_tp_size, tp_all_gather, tp_all_reduce
-from srt_lite.layers.linear import bf16_kernel_linear, pack_weight, packed_linear
+from srt_lite.layers import cpu_kernels
+from srt_lite.layers.linear import bf16_gemv_available, bf16_kernel_linear, pack_weight, packed_linear
 from srt_lite.model_loader.weight_utils import TensorSource, read_narrow
 
 
@@ -25,6 +26,7 @@ class VocabParallelEmbedding(nn.Module):
         self.weight.weight_loader = self.weight_loader
         self.packed_weight: torch.Tensor | None = None  # the LM head's copy, see pack_for_cpu
         self.bf16_kernel = False  # the LM head through the C++ bf16 kernel, see use_bf16_kernel
+        self.gemv = False  # one token's logits from the plain weight, see pack_for_cpu
 
     def weight_loader(self, param: nn.Parameter, src: TensorSource, shard_id=None) -> None:
         n = self.vocab_end - self.vocab_start
@@ -45,6 +47,9 @@ class VocabParallelEmbedding(nn.Module):
         the lookup needs the plain weight). It beats both F.linear and W @ x^T with a
         transposing copy, at decode and at verify row counts (docs/benchmarks.md)."""
         self.packed_weight = pack_weight(self.weight.data)
+        # The plain weight stays for the lookup, and one token's logits read it faster in
+        # srt_lite_cpu::bf16_gemv than oneDNN's GEMV reads the packed copy.
+        self.gemv = bf16_gemv_available()
 
     def use_bf16_kernel(self) -> None:
         """bfloat16 on a CPU where oneDNN has no bf16: the LM head's product as the linears'."""
@@ -52,7 +57,9 @@ class VocabParallelEmbedding(nn.Module):
 
     def compute_logits(self, hidden: torch.Tensor) -> torch.Tensor:
         """[tokens, hidden] -> [tokens, vocab] float32 logits."""
-        if self.bf16_kernel:
+        if self.gemv and hidden.shape[0] == 1 and cpu_kernels.eager_cpu(hidden):
+            logits = torch.ops.srt_lite_cpu.bf16_gemv(hidden, self.weight).float()
+        elif self.bf16_kernel:
             logits = bf16_kernel_linear(hidden, self.weight, None).float()
         elif self.packed_weight is not None:
             logits = packed_linear(hidden, self.packed_weight, None).float()
@@ -69,3 +76,4 @@ class ParallelLMHead(VocabParallelEmbedding):
     def pack_for_cpu(self) -> None:
         super().pack_for_cpu()
         self.weight.data = torch.empty(0, dtype=self.weight.dtype)  # no lookup: the packed copy is enough
+        self.gemv = False

@@ -88,6 +88,14 @@ def bf16_kernel_linear(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor
     return torch.ops.srt_lite_cpu.bf16_linear(x, weight, bias, BF16_KERNEL_ROWS)
 
 
+@functools.cache
+def bf16_gemv_available() -> bool:
+    """Whether srt_lite_cpu::bf16_gemv runs here: AVX512-BF16 in the CPU (not capped by
+    SRT_LITE_CPU_CAPS) and in the build. One token's product with a plain bf16 weight reads
+    it faster than oneDNN's prepacked GEMV (docs/benchmarks.md, "One-token GEMV")."""
+    return cpu_caps.get().avx512_bf16 and cpu_kernels.load() and torch.ops.srt_lite_cpu.bf16_gemv_supported()
+
+
 # Rows up to which a linear with a 4-bit copy (a GGUF's Q4_0/Q4_1 weights) uses it. torch's
 # CPU int4 matmul reads the weight once per row: at one or two rows it reads a quarter of the
 # bf16 bytes and wins; from a few rows on, the bf16 product is faster.
