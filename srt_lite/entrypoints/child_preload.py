@@ -13,9 +13,11 @@ try:  # initialised here, before a child swaps its environment (it relocates env
     setproctitle.setproctitle("srt_lite::forkserver")
 except ImportError:
     pass
-import transformers.modeling_utils  # noqa: F401  what AutoConfig of any decoder model pulls in
+# What AutoConfig.from_pretrained and AutoTokenizer.from_pretrained import on first use (not
+# transformers.modeling_utils, a second more that srt_lite never needs).
 import transformers.models.auto.tokenization_auto  # noqa: F401
 import transformers.tokenization_utils_tokenizers  # noqa: F401
+import transformers.utils.type_validators  # noqa: F401
 
 import srt_lite.managers.detokenizer_manager  # noqa: F401
 import srt_lite.managers.scheduler  # noqa: F401
