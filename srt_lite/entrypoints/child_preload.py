@@ -1,5 +1,5 @@
 """Imported once by the forkserver that the scheduler ranks and the detokenizer fork from
-(srt_lite/entrypoints/launcher.py), so that each child starts with these modules loaded.
+(srt_lite/entrypoints/child_processes.py), so that each child starts with these modules loaded.
 
 Importing torch, transformers and the scheduler's modules is most of a child's start-up
 CPU time; with `spawn` every child paid it again, on the same cores as its siblings.
