@@ -12,11 +12,12 @@ import pytest
 import torch
 
 from srt_lite import cpu_caps
-from srt_lite.layers.linear import PATH_BF16_KERNEL, PATH_PACKED, PATH_TORCH, cpu_linear_path
+from srt_lite.layers.linear import PATH_BF16_KERNEL, PATH_PACKED, PATH_PANELS, PATH_TORCH, cpu_linear_path
 
 AVX2 = {"sse4_2", "avx", "avx2", "fma", "f16c"}
 AVX512 = AVX2 | {"avx512f", "avx512bw", "avx512vl", "avx512dq"}
 SAPPHIRE_RAPIDS = AVX512 | {"avx512_bf16", "amx_bf16", "amx_tile"}
+ZEN4 = AVX512 | {"avx512_bf16"}
 
 
 def caps(flags: set[str], arch: str = "x86_64", forced: str | None = None, onednn: bool = True) -> cpu_caps.CpuCaps:
@@ -28,6 +29,9 @@ def caps(flags: set[str], arch: str = "x86_64", forced: str | None = None, onedn
 CLASSES = [
     ("AVX-512 with BF16/AMX", caps(SAPPHIRE_RAPIDS), True, PATH_PACKED, True),
     ("the same, no compiler", caps(SAPPHIRE_RAPIDS), False, PATH_PACKED, True),
+    ("AVX-512 with BF16, no AMX", caps(ZEN4), True, PATH_PANELS, True),
+    ("the same, no compiler", caps(ZEN4), False, PATH_PACKED, True),
+    ("AVX-512 with BF16 capped at AVX-512", caps(ZEN4, forced="avx512"), True, PATH_BF16_KERNEL, True),
     ("AVX-512 without BF16", caps(AVX512), True, PATH_BF16_KERNEL, True),
     ("AVX-512 without BF16, no compiler", caps(AVX512), False, PATH_PACKED, False),
     ("AVX2 (oneDNN refuses bf16)", caps(AVX2, onednn=False), True, PATH_BF16_KERNEL, True),

@@ -17,7 +17,9 @@ from srt_lite import cpu_caps
 from srt_lite.layers import cpu_kernels
 from srt_lite.layers.attention.choose import PlanKind, cpp_cascade_ok
 from srt_lite.layers.attention.steps import CppCascadePlan
-from srt_lite.layers.linear import PATH_PACKED, PackableLinear, bf16_gemv_available, packed_linear
+from srt_lite.layers.linear import (
+    PATH_PACKED, PackableLinear, bf16_gemv_available, pack_panels, packed_linear, panel_linear, panels_built,
+)
 from srt_lite.model_config import ModelConfig
 from srt_lite.model_executor.model_runner import ModelRunner
 from srt_lite.server_args import ServerArgs
@@ -229,6 +231,87 @@ def test_tied_lm_head_computes_one_tokens_logits_in_the_gemv(monkeypatch):
     untied.weight.data = head.weight.data.clone()
     untied.pack_for_cpu()
     assert not untied.gemv  # its plain weight is freed once packed
+
+
+PANELS = pytest.mark.skipif(not panels_built(), reason="panel_linear needs AVX512-BF16")
+
+
+@PANELS
+@pytest.mark.parametrize(
+    "M,N,K",
+    [
+        (1, 203, 82),  # one row; outputs off the 16-wide vectors and the 64-row panels
+        (3, 64, 576),  # a tail of rows; one panel, so half panels are the work units
+        (5, 1000, 2048),  # one tile and a tail; whole panels
+        (17, 130, 4098),  # k pairs in three ranges (partial sums kept between them)
+        (130, 1100, 64),  # two chunks of rows
+        (2, 2048, 2),  # one k pair
+    ],
+)
+@pytest.mark.parametrize("bias", [False, True])
+def test_panel_linear_matches_the_fp32_product(M, N, K, bias):
+    """fp32 sums of the exact bf16 products, rounded once: within a bf16 rounding of the
+    fp32 product; the padding of the last panel is never written out."""
+    g = torch.Generator().manual_seed(7)
+    w = torch.randn(N, K, generator=g).bfloat16()
+    x = torch.randn(M, K, generator=g).bfloat16()
+    b = torch.randn(N, generator=g).bfloat16() if bias else None
+    panels = pack_panels(w)
+    assert panels.shape == (-(-N // 64), K // 2, 64, 2)
+    got = panel_linear(x, panels, b, N)
+    assert got.dtype == torch.bfloat16 and got.shape == (M, N)
+    want = x.float() @ w.float().t() + (b.float() if bias else 0)
+    torch.testing.assert_close(got.float(), want, rtol=8e-3, atol=1e-3 * K**0.5)
+    # A row's result does not depend on its neighbours (no padding rows, no mixing).
+    torch.testing.assert_close(panel_linear(x[-1:], panels, b, N).float(), got[-1:].float(), rtol=8e-3, atol=1e-3 * K**0.5)
+
+
+@PANELS
+def test_panel_linear_rejects_bad_shapes_and_dtypes():
+    panels = pack_panels(torch.randn(70, 16).bfloat16())  # two panels
+    x = torch.randn(2, 16).bfloat16()
+    with pytest.raises(RuntimeError, match="x must be"):
+        panel_linear(torch.randn(2, 18).bfloat16(), panels, None, 70)
+    with pytest.raises(RuntimeError, match="x must be"):
+        panel_linear(x.float(), panels, None, 70)
+    with pytest.raises(RuntimeError, match="does not fit"):
+        panel_linear(x, panels, None, 129)
+    with pytest.raises(RuntimeError, match="does not fit"):
+        panel_linear(x, panels, None, 64)
+    with pytest.raises(RuntimeError, match="bias must be"):
+        panel_linear(x, panels, torch.randn(69).bfloat16(), 70)
+    with pytest.raises(RuntimeError, match="weight must be"):
+        panel_linear(x, panels.float(), None, 70)
+    assert panel_linear(x[:0], panels, None, 70).shape == (0, 70)
+
+
+@PANELS
+def test_panel_layers_replace_their_plain_weights():
+    """A linear in the panel layout holds no plain weight; an untied LM head neither; a tied
+    one keeps it for the lookup. An odd K keeps F.linear."""
+    from srt_lite.layers import embedding
+
+    g = torch.Generator().manual_seed(8)
+    layer = PackableLinear()
+    layer.weight = torch.nn.Parameter(torch.randn(100, 48, generator=g).bfloat16(), requires_grad=False)
+    want = torch.nn.functional.linear(x := torch.randn(3, 48, generator=g).bfloat16(), layer.weight)
+    layer.use_panels()
+    assert layer.weight.numel() == 0 and layer.panels is not None
+    torch.testing.assert_close(layer.matmul(x, None).float(), want.float(), rtol=8e-3, atol=2e-2)
+    odd = PackableLinear()
+    odd.weight = torch.nn.Parameter(torch.randn(10, 7, generator=g).bfloat16(), requires_grad=False)
+    odd.use_panels()
+    assert odd.panels is None and odd.weight.numel() == 70
+    tied, untied = embedding.VocabParallelEmbedding(300, 64), embedding.ParallelLMHead(300, 64)
+    for head in (tied, untied):
+        head.weight.data = torch.randn(300, 64, generator=g).bfloat16()
+    hidden = torch.randn(2, 64, generator=g).bfloat16()
+    want = hidden.float() @ tied.weight.float().t()
+    tied.use_panels()
+    untied.use_panels()
+    assert tied.weight.numel() == 300 * 64 and untied.weight.numel() == 0 and not tied.gemv
+    torch.testing.assert_close(tied.compute_logits(hidden), want, rtol=8e-3, atol=2e-2)
+    torch.testing.assert_close(tied.compute_logits(hidden[:1]), want[:1], rtol=8e-3, atol=2e-2)
 
 
 def _masked_reference(q, k_buf, v_buf, rows, prefix, num_heads, scale):

@@ -257,17 +257,187 @@ at::Tensor bf16_gemv(const at::Tensor& x, const at::Tensor& weight) {
   return out;
 }
 
+
+// Panel layout (srt_lite's own prepacked bf16 weight, see panel_linear): weight [N, K] as
+// [N / 64, K / 2, 64, 2], zero padded, so one k pair of 64 outputs is four 512-bit vectors
+// in a row. `vdpbf16ps` with the pair of x broadcast then adds both products into each
+// output's fp32 lane: no horizontal sums, and each weight vector serves every x row of a tile.
+constexpr int64_t kPanelRows = 64;
+
+#ifdef SRT_LITE_HAVE_BF16_DOT
+// acc[m][b] += x[m] . w's 16-output vector b over k pairs [0, kp), for MR x rows (ldx
+// elements apart) and NB vectors of the panel starting at `w` (one k pair is 64 x 2 bf16).
+// U > 1 (one row only) keeps U accumulator chains per vector, so a one-token product is not
+// bound by the dot product's latency.
+constexpr int64_t kPrefetchPairs = 16;
+template <int MR, int NB, int U>
+__attribute__((target("avx512f,avx512bw,avx512vl,avx512bf16")))
+inline void panel_tile(const uint16_t* x, int64_t ldx, const uint16_t* w, int64_t kp, __m512 (&io)[MR][NB]) {
+  __m512 acc[U][MR][NB];
+  for (int u = 0; u < U; ++u) {
+    for (int m = 0; m < MR; ++m) {
+      for (int b = 0; b < NB; ++b) acc[u][m][b] = u == 0 ? io[m][b] : _mm512_setzero_ps();
+    }
+  }
+  int64_t p = 0;
+  for (; p + U <= kp; p += U) {
+    for (int u = 0; u < U; ++u) {
+      __m512i wv[NB];
+      for (int b = 0; b < NB; ++b) {
+        _mm_prefetch(reinterpret_cast<const char*>(w + (p + u + kPrefetchPairs) * 2 * kPanelRows + b * 32), _MM_HINT_T0);
+        wv[b] = _mm512_loadu_si512(w + (p + u) * 2 * kPanelRows + b * 32);
+      }
+      for (int m = 0; m < MR; ++m) {
+        uint32_t pair;
+        std::memcpy(&pair, x + m * ldx + 2 * (p + u), sizeof(pair));
+        const __m512i xb = _mm512_set1_epi32(static_cast<int>(pair));
+        for (int b = 0; b < NB; ++b) acc[u][m][b] = _mm512_dpbf16_ps(acc[u][m][b], (__m512bh)xb, (__m512bh)wv[b]);
+      }
+    }
+  }
+  for (; p < kp; ++p) {  // U > 1 only: the pairs left over
+    for (int b = 0; b < NB; ++b) {
+      const __m512i wv = _mm512_loadu_si512(w + p * 2 * kPanelRows + b * 32);
+      uint32_t pair;
+      std::memcpy(&pair, x + 2 * p, sizeof(pair));
+      acc[0][0][b] = _mm512_dpbf16_ps(acc[0][0][b], (__m512bh)_mm512_set1_epi32(static_cast<int>(pair)), (__m512bh)wv);
+    }
+  }
+  for (int m = 0; m < MR; ++m) {
+    for (int b = 0; b < NB; ++b) {
+      __m512 sum = acc[0][m][b];
+      for (int u = 1; u < U; ++u) sum = _mm512_add_ps(sum, acc[u][m][b]);
+      io[m][b] = sum;
+    }
+  }
+}
+
+struct PanelArgs {
+  const uint16_t* x;  // [M, K]
+  const uint16_t* w;  // [N / 64, K / 2, 64, 2]
+  const float* bias;  // [N] or null
+  uint16_t* out;      // [M, N]
+  int64_t N, K, kp;
+};
+
+// Rows [m0, m0 + MR) against NB vectors of a panel (from vector b0), over k pairs [k0, k1).
+// A partial range keeps its sums in `partial` (fp32 [MR, 64]); the last one writes out, with
+// the bias, rounded to nearest even; outputs past N (the panel's padding) are not written.
+template <int MR, int NB>
+__attribute__((target("avx512f,avx512bw,avx512vl,avx512bf16")))
+void panel_step(const PanelArgs& a, int64_t m0, int64_t panel, int64_t b0, int64_t k0, int64_t k1, float* partial) {
+  __m512 acc[MR][NB];
+  for (int m = 0; m < MR; ++m) {
+    for (int b = 0; b < NB; ++b) acc[m][b] = k0 == 0 ? _mm512_setzero_ps() : _mm512_loadu_ps(partial + m * kPanelRows + b * 16);
+  }
+  panel_tile<MR, NB, MR == 1 ? 2 : 1>(a.x + m0 * a.K + 2 * k0, a.K, a.w + (panel * a.kp + k0) * 2 * kPanelRows + b0 * 32,
+                                      k1 - k0, acc);
+  if (k1 < a.kp) {
+    for (int m = 0; m < MR; ++m) {
+      for (int b = 0; b < NB; ++b) _mm512_storeu_ps(partial + m * kPanelRows + b * 16, acc[m][b]);
+    }
+    return;
+  }
+  for (int b = 0; b < NB; ++b) {
+    const int64_t n = panel * kPanelRows + (b0 + b) * 16;
+    if (n >= a.N) break;
+    const __mmask16 mask = a.N - n >= 16 ? static_cast<__mmask16>(0xffff) : static_cast<__mmask16>((1u << (a.N - n)) - 1);
+    const __m512 bv = a.bias ? _mm512_maskz_loadu_ps(mask, a.bias + n) : _mm512_setzero_ps();
+    for (int m = 0; m < MR; ++m) {
+      const __m256i y = (__m256i)_mm512_cvtneps_pbh(_mm512_add_ps(acc[m][b], bv));
+      _mm256_mask_storeu_epi16(a.out + (m0 + m) * a.N + n, mask, y);
+    }
+  }
+}
+
+// panel_step for rows = 1..4 (4 rows a tile; fewer at the tail of M, or all of a small M).
+template <int NB>
+void panel_rows(int64_t rows, const PanelArgs& a, int64_t m0, int64_t panel, int64_t b0, int64_t k0, int64_t k1,
+                float* partial) {
+  switch (rows) {
+    case 1: return panel_step<1, NB>(a, m0, panel, b0, k0, k1, partial);
+    case 2: return panel_step<2, NB>(a, m0, panel, b0, k0, k1, partial);
+    case 3: return panel_step<3, NB>(a, m0, panel, b0, k0, k1, partial);
+    default: return panel_step<4, NB>(a, m0, panel, b0, k0, k1, partial);
+  }
+}
+
+// Rows of x taken per pass over the weight: their x stays in the core's L2 while every panel
+// streams past it.
+constexpr int64_t kPanelChunkRows = 128;
+// k pairs of a panel taken per pass over a chunk's rows: 1024 pairs of 64 outputs are 256 KB,
+// which stay in L2 while each tile of rows reads them (a whole panel of a K = 8192 weight
+// would not, and every tile would read it from memory again).
+constexpr int64_t kPanelChunkPairs = 1024;
+
+// out [M, N] = x [M, K] . W^T (+ bias) over the panel-packed W. Work units are whole panels
+// (NB = 4), or half panels (NB = 2) when there are too few panels to share between threads.
+template <int NB>
+void panel_matmul(const PanelArgs& a, int64_t M) {
+  const int64_t panels = (a.N + kPanelRows - 1) / kPanelRows, parts = 4 / NB, units = panels * parts;
+  for (int64_t c0 = 0; c0 < M; c0 += kPanelChunkRows) {
+    const int64_t c1 = std::min(M, c0 + kPanelChunkRows);
+    at::parallel_for(0, units, 1, [&](int64_t begin, int64_t end) {
+      thread_local std::vector<float> partial;
+      partial.resize(kPanelChunkRows * kPanelRows);  // [rows, 64] sums of a k range
+      for (int64_t u = begin; u < end; ++u) {
+        const int64_t panel = u / parts, b0 = (u % parts) * NB;
+        for (int64_t k0 = 0; k0 < a.kp; k0 += kPanelChunkPairs) {
+          const int64_t k1 = std::min(a.kp, k0 + kPanelChunkPairs);
+          for (int64_t m0 = c0; m0 < c1; m0 += 4) {
+            panel_rows<NB>(std::min<int64_t>(4, c1 - m0), a, m0, panel, b0, k0, k1, partial.data() + (m0 - c0) * kPanelRows);
+          }
+        }
+      }
+    });
+  }
+}
+#endif
+
+// x [M, K] bf16, weight [N / 64, K / 2, 64, 2] bf16 (pack_panels in linear.py), bias [N] or
+// none -> [M, N] bf16; fp32 accumulation.
+at::Tensor panel_linear(const at::Tensor& x, const at::Tensor& weight, const std::optional<at::Tensor>& bias, int64_t N) {
+  TORCH_CHECK(bf16_dot_supported(), "panel_linear: this CPU (or build) has no AVX512-BF16");
+  TORCH_CHECK(weight.scalar_type() == at::kBFloat16 && weight.dim() == 4 && weight.is_contiguous() &&
+                  weight.size(2) == kPanelRows && weight.size(3) == 2,
+              "panel_linear: weight must be a contiguous bf16 [N / 64, K / 2, 64, 2]");
+  const int64_t K = 2 * weight.size(1);
+  TORCH_CHECK(N > (weight.size(0) - 1) * kPanelRows && N <= weight.size(0) * kPanelRows, "panel_linear: N = ", N,
+              " does not fit ", weight.size(0), " panels");
+  TORCH_CHECK(x.scalar_type() == at::kBFloat16 && x.dim() == 2 && x.size(1) == K, "panel_linear: x must be bf16 [M, ", K, "]");
+  const bool has_bias = bias.has_value() && bias->defined();
+  TORCH_CHECK(!has_bias || bias->numel() == N, "panel_linear: bias must be [N]");
+  const int64_t M = x.size(0);
+  at::Tensor out = at::empty({M, N}, x.options());  // [M, N]
+#ifdef SRT_LITE_HAVE_BF16_DOT
+  if (M == 0) return out;
+  at::Tensor xc = x.contiguous();
+  at::Tensor bf = has_bias ? bias->to(at::kFloat).contiguous() : at::Tensor();  // [N] fp32
+  const PanelArgs args{
+      reinterpret_cast<const uint16_t*>(xc.data_ptr<c10::BFloat16>()),
+      reinterpret_cast<const uint16_t*>(weight.data_ptr<c10::BFloat16>()), has_bias ? bf.data_ptr<float>() : nullptr,
+      reinterpret_cast<uint16_t*>(out.data_ptr<c10::BFloat16>()), N, K, K / 2};
+  if (weight.size(0) < 8 * at::get_num_threads()) {
+    panel_matmul<2>(args, M);
+  } else {
+    panel_matmul<4>(args, M);
+  }
+#endif
+  return out;
+}
 }  // namespace
 
 TORCH_LIBRARY_FRAGMENT(srt_lite_cpu, m) {
   m.def("bf16_linear(Tensor x, Tensor weight, Tensor? bias, int few_rows_max) -> Tensor");
   m.def("bf16_gemv(Tensor x, Tensor weight) -> Tensor");
   m.def("bf16_gemv_supported() -> bool");
+  m.def("panel_linear(Tensor x, Tensor weight, Tensor? bias, int N) -> Tensor");
 }
 
 TORCH_LIBRARY_IMPL(srt_lite_cpu, CPU, m) {
   m.impl("bf16_linear", &bf16_linear);
   m.impl("bf16_gemv", &bf16_gemv);
+  m.impl("panel_linear", &panel_linear);
 }
 
 TORCH_LIBRARY_IMPL(srt_lite_cpu, CompositeExplicitAutograd, m) {

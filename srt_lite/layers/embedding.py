@@ -8,7 +8,9 @@ from torch import nn
 
 from srt_lite.distributed import get_tp_rank, get_tp_size, tp_all_gather, tp_all_reduce
 from srt_lite.layers import cpu_kernels
-from srt_lite.layers.linear import bf16_gemv_available, bf16_kernel_linear, pack_weight, packed_linear
+from srt_lite.layers.linear import (
+    bf16_gemv_available, bf16_kernel_linear, pack_panels, pack_weight, packed_linear, panel_linear,
+)
 from srt_lite.model_loader.weight_utils import TensorSource, read_narrow
 
 
@@ -27,6 +29,7 @@ class VocabParallelEmbedding(nn.Module):
         self.packed_weight: torch.Tensor | None = None  # the LM head's copy, see pack_for_cpu
         self.bf16_kernel = False  # the LM head through the C++ bf16 kernel, see use_bf16_kernel
         self.gemv = False  # one token's logits from the plain weight, see pack_for_cpu
+        self.panels: torch.Tensor | None = None  # the LM head in the panel layout, see use_panels
 
     def weight_loader(self, param: nn.Parameter, src: TensorSource, shard_id=None) -> None:
         n = self.vocab_end - self.vocab_start
@@ -51,6 +54,12 @@ class VocabParallelEmbedding(nn.Module):
         # srt_lite_cpu::bf16_gemv than oneDNN's GEMV reads the packed copy.
         self.gemv = bf16_gemv_available()
 
+    def use_panels(self) -> None:
+        """PATH_PANELS: the LM head's copy in srt_lite's panel layout, as the linears; the
+        plain weight stays for the lookup. The layout pairs K: an odd one keeps F.linear."""
+        if self.weight.shape[1] % 2 == 0:
+            self.panels = pack_panels(self.weight.data)
+
     def use_bf16_kernel(self) -> None:
         """bfloat16 on a CPU where oneDNN has no bf16: the LM head's product as the linears'."""
         self.bf16_kernel = True
@@ -59,6 +68,8 @@ class VocabParallelEmbedding(nn.Module):
         """[tokens, hidden] -> [tokens, vocab] float32 logits."""
         if self.gemv and hidden.shape[0] == 1 and cpu_kernels.eager_cpu(hidden):
             logits = torch.ops.srt_lite_cpu.bf16_gemv(hidden, self.weight).float()
+        elif self.panels is not None:
+            logits = panel_linear(hidden, self.panels, None, self.vocab_per_rank).float()
         elif self.bf16_kernel:
             logits = bf16_kernel_linear(hidden, self.weight, None).float()
         elif self.packed_weight is not None:
@@ -77,3 +88,8 @@ class ParallelLMHead(VocabParallelEmbedding):
         super().pack_for_cpu()
         self.weight.data = torch.empty(0, dtype=self.weight.dtype)  # no lookup: the packed copy is enough
         self.gemv = False
+
+    def use_panels(self) -> None:
+        super().use_panels()
+        if self.panels is not None:
+            self.weight.data = torch.empty(0, dtype=self.weight.dtype)  # no lookup: the panels are enough

@@ -61,6 +61,7 @@ def packed_linear(x: torch.Tensor, packed_weight: torch.Tensor, bias: torch.Tens
 PATH_TORCH = "torch"  # F.linear: fp32 (MKL/oneDNN), fp16, or bf16 without a better path
 PATH_PACKED = "onednn-packed"  # bf16 weights prepacked once for oneDNN (where it runs bf16)
 PATH_BF16_KERNEL = "bf16-kernel"  # bf16 weights, fp32 math in srt_lite_cpu::bf16_linear
+PATH_PANELS = "bf16-panels"  # bf16 weights in srt_lite's panel layout (srt_lite_cpu::panel_linear)
 # Rows up to which bf16_linear runs its weight-streaming kernel; above, a widened fp32 copy
 # and the fp32 matmul are faster (on AVX2 the two are level at about 16 rows).
 BF16_KERNEL_ROWS = 16
@@ -72,10 +73,16 @@ def cpu_linear_path(dtype: torch.dtype, disable_packing: bool = False, caps: cpu
     oneDNN's bf16 is fast where the CPU has bf16 instructions; without them oneDNN either
     refuses bf16 (AVX2) or emulates it slowly (AVX-512 without BF16), and torch's own bf16
     matmul is a reference loop beyond one row. There the C++ bf16 kernel runs, when built
-    (docs/benchmarks.md, "The dtype rule", has the figures)."""
+    (docs/benchmarks.md, "The dtype rule", has the figures).
+    With AVX512-BF16 but no AMX, srt_lite's panel kernel reads a one-token product's weight
+    about twice as fast as oneDNN's packed GEMV and is level with it from a few dozen rows
+    up (docs/benchmarks.md, "Panel layout"); AMX keeps oneDNN, whose AMX tiles it lacks."""
     if dtype != torch.bfloat16 or disable_packing:
         return PATH_TORCH
     caps = caps or cpu_caps.get()
+    built = panels_built() if kernels_built is None else kernels_built
+    if caps.avx512_bf16 and not caps.amx_bf16 and built:
+        return PATH_PANELS
     if caps.onednn_bf16 and caps.native_bf16:
         return PATH_PACKED
     if cpu_kernels.load() if kernels_built is None else kernels_built:
@@ -89,11 +96,35 @@ def bf16_kernel_linear(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor
 
 
 @functools.cache
+def panels_built() -> bool:
+    """Whether srt_lite_cpu::panel_linear (and bf16_gemv) are in this process's build of the
+    ops and the CPU runs them (AVX512-BF16, checked by the op itself)."""
+    return cpu_kernels.load() and torch.ops.srt_lite_cpu.bf16_gemv_supported()
+
+
+@functools.cache
 def bf16_gemv_available() -> bool:
     """Whether srt_lite_cpu::bf16_gemv runs here: AVX512-BF16 in the CPU (not capped by
     SRT_LITE_CPU_CAPS) and in the build. One token's product with a plain bf16 weight reads
     it faster than oneDNN's prepacked GEMV (docs/benchmarks.md, "One-token GEMV")."""
-    return cpu_caps.get().avx512_bf16 and cpu_kernels.load() and torch.ops.srt_lite_cpu.bf16_gemv_supported()
+    return cpu_caps.get().avx512_bf16 and panels_built()
+
+
+# Output rows of one panel of pack_panels' layout (kPanelRows in cpu_linear.cpp).
+PANEL_ROWS = 64
+
+
+def pack_panels(weight: torch.Tensor) -> torch.Tensor:
+    """A bf16 [N, K] weight in srt_lite's panel layout, [N / 64, K / 2, 64, 2] (zero padded):
+    each k pair of 64 outputs is contiguous, as srt_lite_cpu::panel_linear reads it."""
+    n, k = weight.shape
+    padded = torch.nn.functional.pad(weight, (0, k % 2, 0, -n % PANEL_ROWS))  # [N', K']
+    return padded.view(padded.shape[0] // PANEL_ROWS, PANEL_ROWS, padded.shape[1] // 2, 2).transpose(1, 2).contiguous()
+
+
+def panel_linear(x: torch.Tensor, panels: torch.Tensor, bias: torch.Tensor | None, out_features: int) -> torch.Tensor:
+    """x [n, in] bf16 -> [n, out] through a pack_panels() weight."""
+    return torch.ops.srt_lite_cpu.panel_linear(x, panels, bias, out_features)
 
 
 # Rows up to which a linear with a 4-bit copy (a GGUF's Q4_0/Q4_1 weights) uses it. torch's
@@ -132,9 +163,19 @@ class PackableLinear(nn.Module):
     cpp_key: int = -1  # the weight's key for srt_lite_cpu::packed_linear (C++), if built
     bf16_kernel: bool = False
     int4: tuple[torch.Tensor, torch.Tensor] | None = None  # see use_int4
+    panels: torch.Tensor | None = None  # see use_panels
 
     def use_bf16_kernel(self) -> None:
         self.bf16_kernel = True
+
+    def use_panels(self) -> None:
+        """PATH_PANELS: the weight in the panel layout, which replaces the plain one (a plain
+        tensor, so a compiled graph takes it as an input and calls the op directly)."""
+        if self.weight.shape[1] % 2:
+            return  # the layout pairs K: an odd one keeps F.linear
+        self.out_features = self.weight.shape[0]
+        self.panels = pack_panels(self.weight.data)
+        self.weight.data = torch.empty(0, dtype=self.weight.dtype)
 
     def use_int4(self, codes: torch.Tensor, scale: torch.Tensor, zero: torch.Tensor) -> None:
         """Adds a 4-bit copy of the weight (this rank's codes [N, K] and per-32 scale/zero
@@ -161,6 +202,8 @@ class PackableLinear(nn.Module):
         if self.int4 is not None and isinstance(x.shape[0], int) and x.shape[0] <= INT4_ROWS:
             y = int4_linear(x, *self.int4)
             return y if bias is None else y + bias
+        if self.panels is not None:
+            return panel_linear(x, self.panels, bias, self.out_features)
         if self.bf16_kernel:
             return bf16_kernel_linear(x, self.weight, bias)
         if self.packed_weight is None:
@@ -205,15 +248,22 @@ def _register_cpp_fake() -> None:
     def _(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None, rows: int) -> torch.Tensor:
         return x.new_empty(x.shape[0], weight.shape[0])  # [T, out_features]
 
+    @torch.library.register_fake("srt_lite_cpu::panel_linear")
+    def _(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None, n: int) -> torch.Tensor:
+        return x.new_empty(x.shape[0], n)  # [T, out_features]
+
 
 def prepare_linears_for_cpu(model: nn.Module, path: str) -> None:
     """Readies every linear of a CPU model, and the LM head (the embedding, see
-    VocabParallelEmbedding), for `path`: prepacked for oneDNN, or the C++ bf16 kernel."""
-    if path == PATH_BF16_KERNEL:
+    VocabParallelEmbedding), for `path`: prepacked for oneDNN, in srt_lite's panel layout,
+    or the C++ bf16 kernel."""
+    if path in (PATH_BF16_KERNEL, PATH_PANELS):
         _register_cpp_fake()  # for torch.compile, before any graph is traced
     for m in model.modules():
         if path == PATH_PACKED and hasattr(m, "pack_for_cpu"):
             m.pack_for_cpu()
+        elif path == PATH_PANELS and hasattr(m, "use_panels"):
+            m.use_panels()
         elif path == PATH_BF16_KERNEL and hasattr(m, "use_bf16_kernel"):
             m.use_bf16_kernel()
 
