@@ -350,7 +350,8 @@ void panel_step(const PanelArgs& a, int64_t m0, int64_t panel, int64_t b0, int64
   }
 }
 
-// panel_step for rows = 1..4 (4 rows a tile; fewer at the tail of M, or all of a small M).
+// panel_step for a tile of `rows` rows: up to 4 against a whole panel (NB = 4), up to 8
+// against half of one (NB = 2), as many accumulators as the 32 vector registers allow.
 template <int NB>
 void panel_rows(int64_t rows, const PanelArgs& a, int64_t m0, int64_t panel, int64_t b0, int64_t k0, int64_t k1,
                 float* partial) {
@@ -358,9 +359,21 @@ void panel_rows(int64_t rows, const PanelArgs& a, int64_t m0, int64_t panel, int
     case 1: return panel_step<1, NB>(a, m0, panel, b0, k0, k1, partial);
     case 2: return panel_step<2, NB>(a, m0, panel, b0, k0, k1, partial);
     case 3: return panel_step<3, NB>(a, m0, panel, b0, k0, k1, partial);
-    default: return panel_step<4, NB>(a, m0, panel, b0, k0, k1, partial);
+    case 4: return panel_step<4, NB>(a, m0, panel, b0, k0, k1, partial);
   }
+  if constexpr (NB == 2) {
+    switch (rows) {
+      case 5: return panel_step<5, NB>(a, m0, panel, b0, k0, k1, partial);
+      case 6: return panel_step<6, NB>(a, m0, panel, b0, k0, k1, partial);
+      case 7: return panel_step<7, NB>(a, m0, panel, b0, k0, k1, partial);
+      case 8: return panel_step<8, NB>(a, m0, panel, b0, k0, k1, partial);
+    }
+  }
+  TORCH_CHECK(false, "panel_rows: no tile of ", rows, " rows");
 }
+
+// Rows a tile takes against NB vectors.
+constexpr int64_t tile_rows(int NB) { return NB == 2 ? 8 : 4; }
 
 // Rows of x taken per pass over the weight: their x stays in the core's L2 while every panel
 // streams past it.
@@ -371,10 +384,13 @@ constexpr int64_t kPanelChunkRows = 128;
 constexpr int64_t kPanelChunkPairs = 1024;
 
 // out [M, N] = x [M, K] . W^T (+ bias) over the panel-packed W. Work units are whole panels
-// (NB = 4), or half panels (NB = 2) when there are too few panels to share between threads.
+// (NB = 4), or half panels (NB = 2) when there are too few panels to share between threads
+// (half panels read a strided half of each panel: slower where the weight streams from
+// memory, so large weights keep whole ones).
 template <int NB>
 void panel_matmul(const PanelArgs& a, int64_t M) {
   const int64_t panels = (a.N + kPanelRows - 1) / kPanelRows, parts = 4 / NB, units = panels * parts;
+  constexpr int64_t tile = tile_rows(NB);
   for (int64_t c0 = 0; c0 < M; c0 += kPanelChunkRows) {
     const int64_t c1 = std::min(M, c0 + kPanelChunkRows);
     at::parallel_for(0, units, 1, [&](int64_t begin, int64_t end) {
@@ -384,8 +400,8 @@ void panel_matmul(const PanelArgs& a, int64_t M) {
         const int64_t panel = u / parts, b0 = (u % parts) * NB;
         for (int64_t k0 = 0; k0 < a.kp; k0 += kPanelChunkPairs) {
           const int64_t k1 = std::min(a.kp, k0 + kPanelChunkPairs);
-          for (int64_t m0 = c0; m0 < c1; m0 += 4) {
-            panel_rows<NB>(std::min<int64_t>(4, c1 - m0), a, m0, panel, b0, k0, k1, partial.data() + (m0 - c0) * kPanelRows);
+          for (int64_t m0 = c0; m0 < c1; m0 += tile) {
+            panel_rows<NB>(std::min(tile, c1 - m0), a, m0, panel, b0, k0, k1, partial.data() + (m0 - c0) * kPanelRows);
           }
         }
       }
