@@ -288,8 +288,9 @@ def test_panel_linear_rejects_bad_shapes_and_dtypes():
 
 @PANELS
 def test_panel_layers_replace_their_plain_weights():
-    """A linear in the panel layout holds no plain weight; an untied LM head neither; a tied
-    one keeps it for the lookup. An odd K keeps F.linear."""
+    """A linear in the panel layout holds no plain weight, nor does an LM head, tied or not:
+    a tied one looks its rows up in the panels, exactly. An embedding that is only looked up
+    keeps its plain weight and packs nothing. An odd K keeps F.linear."""
     from srt_lite.layers import embedding
 
     g = torch.Generator().manual_seed(8)
@@ -304,13 +305,19 @@ def test_panel_layers_replace_their_plain_weights():
     odd.use_panels()
     assert odd.panels is None and odd.weight.numel() == 70
     tied, untied = embedding.VocabParallelEmbedding(300, 64), embedding.ParallelLMHead(300, 64)
-    for head in (tied, untied):
+    lookup = embedding.VocabParallelEmbedding(300, 64)
+    lookup.lookup_only = True
+    for head in (tied, untied, lookup):
         head.weight.data = torch.randn(300, 64, generator=g).bfloat16()
     hidden = torch.randn(2, 64, generator=g).bfloat16()
     want = hidden.float() @ tied.weight.float().t()
-    tied.use_panels()
-    untied.use_panels()
-    assert tied.weight.numel() == 300 * 64 and untied.weight.numel() == 0 and not tied.gemv
+    ids = torch.tensor([0, 63, 64, 299, 5, 5])
+    rows = tied(ids)
+    for head in (tied, untied, lookup):
+        head.use_panels()
+    assert tied.weight.numel() == 0 and untied.weight.numel() == 0 and not tied.gemv
+    assert lookup.panels is None and lookup.weight.numel() == 300 * 64
+    assert torch.equal(tied(ids), rows)
     torch.testing.assert_close(tied.compute_logits(hidden), want, rtol=8e-3, atol=2e-2)
     torch.testing.assert_close(tied.compute_logits(hidden[:1]), want[:1], rtol=8e-3, atol=2e-2)
 

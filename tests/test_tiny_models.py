@@ -142,12 +142,15 @@ def test_bf16_cpu_linears_give_the_plain_logits(kind, tmp_path):
     fast, plain = runners
     assert fast.linear_path == cpu_linear_path(torch.bfloat16) and plain.linear_path == PATH_TORCH
     head = fast.model.lm_head
+    embed = fast.model.model.embed_tokens
+    if kind == "llama":  # untied: the input embedding is only looked up, and keeps one plain copy
+        assert embed.lookup_only and embed.packed_weight is None and embed.panels is None and embed.weight.numel() > 0
     if fast.linear_path == PATH_PACKED:
         assert head.packed_weight is not None and plain.model.lm_head.packed_weight is None
         assert (head.weight.numel() == 0) == (kind == "llama")  # tied: the lookup needs it
     elif fast.linear_path == PATH_PANELS:
         assert head.panels is not None and plain.model.lm_head.panels is None
-        assert (head.weight.numel() == 0) == (kind == "llama")
+        assert head.weight.numel() == 0  # tied: the lookup gathers from the panels
         linears = [m for m in fast.model.modules() if isinstance(m, PackableLinear)]
         assert all(m.panels is not None and m.weight.numel() == 0 for m in linears)
     else:

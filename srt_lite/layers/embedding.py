@@ -9,12 +9,16 @@ from torch import nn
 from srt_lite.distributed import get_tp_rank, get_tp_size, tp_all_gather, tp_all_reduce
 from srt_lite.layers import cpu_kernels
 from srt_lite.layers.linear import (
-    bf16_gemv_available, bf16_kernel_linear, pack_panels, pack_weight, packed_linear, panel_linear,
+    PANEL_ROWS, bf16_gemv_available, bf16_kernel_linear, pack_panels, pack_weight, packed_linear, panel_linear,
 )
 from srt_lite.model_loader.weight_utils import TensorSource, read_narrow
 
 
 class VocabParallelEmbedding(nn.Module):
+    # Set on the input embedding of a model whose LM head is a separate weight: the lookup
+    # is all it does, so it keeps no copy for the head's product.
+    lookup_only = False
+
     def __init__(self, vocab_size: int, hidden_size: int):
         super().__init__()
         self.tp_rank, self.tp_size = get_tp_rank(), get_tp_size()
@@ -30,17 +34,26 @@ class VocabParallelEmbedding(nn.Module):
         self.bf16_kernel = False  # the LM head through the C++ bf16 kernel, see use_bf16_kernel
         self.gemv = False  # one token's logits from the plain weight, see pack_for_cpu
         self.panels: torch.Tensor | None = None  # the LM head in the panel layout, see use_panels
+        self.hidden_size = hidden_size
 
     def weight_loader(self, param: nn.Parameter, src: TensorSource, shard_id=None) -> None:
         n = self.vocab_end - self.vocab_start
         param.data[:n].copy_(read_narrow(src, 0, self.vocab_start, n))
 
+    def lookup(self, ids: torch.Tensor) -> torch.Tensor:
+        """Rows `ids` of this rank's weight, [T] -> [T, hidden]: from the panels when they
+        replaced the plain weight (a gather of each row's k pairs)."""
+        if self.panels is None:
+            return F.embedding(ids, self.weight)
+        rows = self.panels[ids // PANEL_ROWS, :, ids % PANEL_ROWS]  # [T, K / 2, 2]
+        return rows.reshape(ids.shape[0], -1)[:, : self.hidden_size]
+
     def forward(self, input_ids: torch.Tensor) -> torch.Tensor:
         if self.tp_size == 1:
-            return F.embedding(input_ids, self.weight)
+            return self.lookup(input_ids)
         mask = (input_ids < self.vocab_start) | (input_ids >= self.vocab_end)
         local = (input_ids - self.vocab_start).masked_fill(mask, 0)
-        out = F.embedding(local, self.weight)
+        out = self.lookup(local)
         out.masked_fill_(mask.unsqueeze(-1), 0)
         return tp_all_reduce(out)
 
@@ -49,16 +62,21 @@ class VocabParallelEmbedding(nn.Module):
         every call, so the LM head keeps a copy packed once (vocab x hidden x 2 bytes more;
         the lookup needs the plain weight). It beats both F.linear and W @ x^T with a
         transposing copy, at decode and at verify row counts (docs/benchmarks.md)."""
+        if self.lookup_only:
+            return
         self.packed_weight = pack_weight(self.weight.data)
         # The plain weight stays for the lookup, and one token's logits read it faster in
         # srt_lite_cpu::bf16_gemv than oneDNN's GEMV reads the packed copy.
         self.gemv = bf16_gemv_available()
 
     def use_panels(self) -> None:
-        """PATH_PANELS: the LM head's copy in srt_lite's panel layout, as the linears; the
-        plain weight stays for the lookup. The layout pairs K: an odd one keeps F.linear."""
-        if self.weight.shape[1] % 2 == 0:
-            self.panels = pack_panels(self.weight.data)
+        """PATH_PANELS: the LM head in srt_lite's panel layout, as the linears. The panels
+        replace the plain weight, and the lookup gathers its rows from them, so a tied
+        embedding holds one copy. The layout pairs K: an odd one keeps F.linear."""
+        if self.lookup_only or self.weight.shape[1] % 2:
+            return
+        self.panels = pack_panels(self.weight.data)
+        self.weight.data = torch.empty(0, dtype=self.weight.dtype)
 
     def use_bf16_kernel(self) -> None:
         """bfloat16 on a CPU where oneDNN has no bf16: the LM head's product as the linears'."""
@@ -89,7 +107,4 @@ class ParallelLMHead(VocabParallelEmbedding):
         self.weight.data = torch.empty(0, dtype=self.weight.dtype)  # no lookup: the packed copy is enough
         self.gemv = False
 
-    def use_panels(self) -> None:
-        super().use_panels()
-        if self.panels is not None:
-            self.weight.data = torch.empty(0, dtype=self.weight.dtype)  # no lookup: the panels are enough
+

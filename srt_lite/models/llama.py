@@ -147,6 +147,7 @@ class LlamaForCausalLM(nn.Module):
             self.lm_head = self.model.embed_tokens
         else:
             self.lm_head = ParallelLMHead(config.vocab_size, config.hidden_size)
+            self.model.embed_tokens.lookup_only = True
         self.logits_processor = LogitsProcessor()
 
     @torch.inference_mode()
