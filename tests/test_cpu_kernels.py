@@ -242,7 +242,8 @@ PANELS = pytest.mark.skipif(not panels_built(), reason="panel_linear needs AVX51
     [
         (1, 203, 82),  # one row; outputs off the 16-wide vectors and the 64-row panels
         (3, 64, 576),  # a tail of rows; one panel, so half panels are the work units
-        (5, 1000, 2048),  # one tile and a tail; whole panels
+        (5, 1000, 2048),  # one tile of 5 rows; whole panels
+        (15, 1000, 2048),  # two 6-row tiles and a tail of 3
         (12, 500, 96),  # half panels in 8-row tiles, and a tail of 4
         (17, 130, 4098),  # k pairs in three ranges (partial sums kept between them)
         (130, 1100, 64),  # two chunks of rows

@@ -350,8 +350,9 @@ void panel_step(const PanelArgs& a, int64_t m0, int64_t panel, int64_t b0, int64
   }
 }
 
-// panel_step for a tile of `rows` rows: up to 4 against a whole panel (NB = 4), up to 8
-// against half of one (NB = 2), as many accumulators as the 32 vector registers allow.
+// panel_step for a tile of `rows` rows: up to 6 against a whole panel (NB = 4), up to 8
+// against half of one (NB = 2): 24 or 16 accumulators, with the weight vectors and the x
+// broadcast still in the 32 vector registers (8 x 4 would spill).
 template <int NB>
 void panel_rows(int64_t rows, const PanelArgs& a, int64_t m0, int64_t panel, int64_t b0, int64_t k0, int64_t k1,
                 float* partial) {
@@ -360,11 +361,11 @@ void panel_rows(int64_t rows, const PanelArgs& a, int64_t m0, int64_t panel, int
     case 2: return panel_step<2, NB>(a, m0, panel, b0, k0, k1, partial);
     case 3: return panel_step<3, NB>(a, m0, panel, b0, k0, k1, partial);
     case 4: return panel_step<4, NB>(a, m0, panel, b0, k0, k1, partial);
+    case 5: return panel_step<5, NB>(a, m0, panel, b0, k0, k1, partial);
+    case 6: return panel_step<6, NB>(a, m0, panel, b0, k0, k1, partial);
   }
   if constexpr (NB == 2) {
     switch (rows) {
-      case 5: return panel_step<5, NB>(a, m0, panel, b0, k0, k1, partial);
-      case 6: return panel_step<6, NB>(a, m0, panel, b0, k0, k1, partial);
       case 7: return panel_step<7, NB>(a, m0, panel, b0, k0, k1, partial);
       case 8: return panel_step<8, NB>(a, m0, panel, b0, k0, k1, partial);
     }
@@ -373,7 +374,7 @@ void panel_rows(int64_t rows, const PanelArgs& a, int64_t m0, int64_t panel, int
 }
 
 // Rows a tile takes against NB vectors.
-constexpr int64_t tile_rows(int NB) { return NB == 2 ? 8 : 4; }
+constexpr int64_t tile_rows(int NB) { return NB == 2 ? 8 : 6; }
 
 // Rows of x taken per pass over the weight: their x stays in the core's L2 while every panel
 // streams past it.
