@@ -106,5 +106,3 @@ class ParallelLMHead(VocabParallelEmbedding):
         super().pack_for_cpu()
         self.weight.data = torch.empty(0, dtype=self.weight.dtype)  # no lookup: the packed copy is enough
         self.gemv = False
-
-
