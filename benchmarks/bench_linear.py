@@ -10,11 +10,9 @@ rows); GFLOP/s the arithmetic (the bound at many).
 from __future__ import annotations
 
 import argparse
-import statistics
-import time
-
 import torch
 
+from bench_sampler import timed  # the median of timed runs, after a warm-up
 from srt_lite.layers import cpu_kernels
 from srt_lite.layers.linear import pack_panels, pack_weight, packed_linear, panel_linear
 
@@ -22,16 +20,6 @@ SHAPES = {  # name: [(out, in)], each model's qkv, o, gate_up, down and LM head
     "1b": [(3072, 2048), (2048, 2048), (16384, 2048), (2048, 8192), (128256, 2048)],
     "135m": [(960, 576), (576, 576), (3072, 576), (576, 1536), (49152, 576)],
 }
-
-
-def median_time(fn, reps: int) -> float:
-    fn()
-    times = []
-    for _ in range(reps):
-        t0 = time.perf_counter()
-        fn()
-        times.append(time.perf_counter() - t0)
-    return statistics.median(times)
 
 
 def main() -> None:
@@ -48,8 +36,8 @@ def main() -> None:
             packed, panels = pack_weight(w), pack_panels(w)
             for m in map(int, args.rows.split(",")):
                 x = torch.randn(m, k).bfloat16()  # [rows, in]
-                a = median_time(lambda: packed_linear(x, packed, None), args.reps)
-                b = median_time(lambda: panel_linear(x, panels, None, n), args.reps)
+                a = timed(lambda: packed_linear(x, packed, None), args.reps)
+                b = timed(lambda: panel_linear(x, panels, None, n), args.reps)
                 print(f"{name} {n}x{k} rows={m}: onednn {a * 1e3:.3f} ms, panels {b * 1e3:.3f} ms ({a / b:.2f}x; "
                       f"{n * k * 2 / b / 1e9:.1f} GB/s, {2 * m * n * k / b / 1e9:.0f} GFLOP/s)", flush=True)
 
