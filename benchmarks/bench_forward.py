@@ -1,11 +1,12 @@
 """Time of one forward step of the ModelRunner alone (no scheduler, no sampling, no HTTP).
 
     python benchmarks/bench_forward.py [--batch-sizes 1,4,16] [--context 300] [--prefill 256,512]
-                                       [--dtype auto] [--profile]
+                                       [--dtype auto] [--profile [decode|prefill]]
 
 Decode: B requests whose KV already holds `--context` tokens each compute one new token.
 Prefill: one fresh prompt of N tokens. Reports the median ms per step (and tok/s); with
-`--profile` also the torch profiler's op table for the first decode batch size. This is the
+`--profile` also the torch profiler's op table for the first decode batch size (or, with
+`--profile prefill`, the first prefill length). This is the
 tool for kernel-level work; bench_serving.py measures what users see.
 """
 
@@ -76,7 +77,10 @@ def main() -> None:
     parser.add_argument("--prefill", default="256,512", type=lambda s: [int(x) for x in s.split(",") if x])
     parser.add_argument("--steps", type=int, default=10)
     parser.add_argument("--max-total-tokens", type=int, default=32768)
-    parser.add_argument("--profile", action="store_true")
+    parser.add_argument(
+        "--profile", nargs="?", const="decode", choices=["decode", "prefill"], default=None,
+        help="profile the first decode batch size (default) or the first prefill length",
+    )
     args = parser.parse_args()
     logging.basicConfig(level=logging.WARNING)
 
@@ -102,12 +106,17 @@ def main() -> None:
         ms = time_step(runner, lambda: make_batch(runner, [prompt_row], [0], [n]), max(args.steps // 3, 3))
         print(f"prefill N={n:<4d} {ms:8.1f} ms/step  {n / ms * 1e3:8.1f} tok/s")
     if args.profile:
-        b = args.batch_sizes[0]
+        b, n = args.batch_sizes[0], args.prefill[0] if args.prefill else 0
         from torch.profiler import ProfilerActivity, profile
+
+        def batch() -> ForwardBatch:
+            if args.profile == "prefill":
+                return make_batch(runner, [prompt_row], [0], [n])
+            return make_batch(runner, rows[:b], [args.context] * b, [1] * b)
 
         with profile(activities=[ProfilerActivity.CPU]) as prof:
             for _ in range(5):
-                runner.forward(make_batch(runner, rows[:b], [args.context] * b, [1] * b))
+                runner.forward(batch())
         print(prof.key_averages().table(sort_by="self_cpu_time_total", row_limit=25))
 
 

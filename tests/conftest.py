@@ -70,6 +70,23 @@ def engine():
     eng.shutdown()
 
 
+_REFERENCES: dict[tuple[str, bytes], dict] = {}
+
+
+def plain_outputs(engine, prompts: list[str], params: dict) -> list[dict]:
+    """The shared engine's outputs for `prompts` under `params`, computed as one batch and
+    remembered for the session: tests compare other engines' outputs against these, and
+    test_concurrent_equals_alone checks that a batch gives each prompt its output alone."""
+    import orjson
+
+    key = orjson.dumps(params, option=orjson.OPT_SORT_KEYS)
+    todo = [p for p in dict.fromkeys(prompts) if (p, key) not in _REFERENCES]
+    if todo:
+        for p, out in zip(todo, engine.generate(todo, params)):
+            _REFERENCES[p, key] = out
+    return [_REFERENCES[p, key] for p in prompts]
+
+
 @pytest.fixture(autouse=True)
 def kv_invariant_after_test(request):
     """After every test that used the shared engine: no request holds KV and

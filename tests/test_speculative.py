@@ -14,7 +14,7 @@ import httpx
 import orjson
 import pytest
 
-from conftest import PROMPTS, wait_idle
+from conftest import PROMPTS, plain_outputs, wait_idle
 from server_utils import ServerProcess
 from test_scheduler import LONG, PRESSURE
 from srt_lite.req import Req
@@ -234,7 +234,7 @@ def accept_len(eng) -> float:
 @pytest.mark.slow
 def test_greedy_output_equals_plain_decoding_alone_and_batched(engine, spec_engine):
     prompts = REPETITIVE + PROMPTS[:4]
-    plain = [engine.generate(p, GREEDY)["output_ids"] for p in prompts]
+    plain = [o["output_ids"] for o in plain_outputs(engine, prompts, GREEDY)]
     before = spec_engine.get_load()
     alone = [spec_engine.generate(p, GREEDY)["output_ids"] for p in prompts]
     assert alone == plain
@@ -296,7 +296,7 @@ def test_constrained_rows_decode_without_drafts_beside_drafting_rows(engine, spe
     """A request with a grammar never drafts (NgramProposer.eligible), so its text is the
     plain engine's; the drafting rows beside it keep drafting and keep their text."""
     regex = {"max_new_tokens": 40, "temperature": 0, "regex": "(red|green|blue)( (red|green|blue)){5}"}
-    want = [engine.generate(p, q)["output_ids"] for p, q in [(REPETITIVE[1], regex), *((p, GREEDY) for p in REPETITIVE)]]
+    want = [engine.generate(REPETITIVE[1], regex)["output_ids"]] + [o["output_ids"] for o in plain_outputs(engine, REPETITIVE, GREEDY)]
     before = spec_engine.get_load()
     got = spec_engine.generate([REPETITIVE[1], *REPETITIVE], [regex] + [GREEDY] * len(REPETITIVE))
     assert [o["output_ids"] for o in got] == want
@@ -308,7 +308,7 @@ def test_constrained_rows_decode_without_drafts_beside_drafting_rows(engine, spe
 def test_drafting_rows_share_batches_with_sampled_penalized_and_logprob_requests(engine, spec_engine):
     """Rows that cannot draft decode one token as usual next to rows that verify drafts, and
     a prompt-logprobs request can join the batch mid-way (logits for every position)."""
-    greedy_want = [engine.generate(p, {**GREEDY, "max_new_tokens": 60})["output_ids"] for p in REPETITIVE]
+    greedy_want = [o["output_ids"] for o in plain_outputs(engine, REPETITIVE, {**GREEDY, "max_new_tokens": 60})]
     lp_params = {"max_new_tokens": 6, "temperature": 0}
     lp_want = engine.generate(PROMPTS[1], lp_params, return_logprob=True, logprob_start_len=0, top_logprobs_num=2)
     results: dict[str, dict] = {}
@@ -352,7 +352,7 @@ def test_pressure_and_no_radix_cache_keep_output_and_free_rejected_drafts(engine
     from srt_lite import Engine
 
     prompts = REPETITIVE + PROMPTS + [LONG]
-    want = [engine.generate(p, GREEDY)["output_ids"] for p in prompts]
+    want = [o["output_ids"] for o in plain_outputs(engine, prompts, GREEDY)]
     with Engine(dtype="float32", log_level="warning", speculative_algorithm="ngram", **kwargs) as eng:
         got = eng.generate(prompts, GREEDY)
         assert [o["output_ids"] for o in got] == want
@@ -405,7 +405,7 @@ def test_short_prompts_joining_mid_way_leave_the_drafting_rows_drafting(engine):
     long_params = {"max_new_tokens": 160, "temperature": 0, "ignore_eos": True}
     short_params = {"max_new_tokens": 8, "temperature": 0, "ignore_eos": True}
     want_long = engine.generate(long_prompt, long_params)["text"]
-    want_short = [engine.generate(p, short_params)["text"] for p in short_prompts]
+    want_short = [o["text"] for o in plain_outputs(engine, short_prompts, short_params)]
     with ServerProcess("--dtype", "float32", "--speculative-algorithm", "ngram", "--max-total-tokens", "4096") as s:
         model = httpx.get(s.base_url + "/v1/models").json()["data"][0]["id"]
         got_long = {}
