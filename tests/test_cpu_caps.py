@@ -12,7 +12,7 @@ import pytest
 import torch
 
 from srt_lite import cpu_caps
-from srt_lite.layers.linear import PATH_BF16_KERNEL, PATH_PACKED, PATH_PANELS, PATH_TORCH, cpu_linear_path
+from srt_lite.layers.linear import PATH_BF16_KERNEL, PATH_F32_PANELS, PATH_PACKED, PATH_PANELS, PATH_TORCH, cpu_linear_path
 
 AVX2 = {"sse4_2", "avx", "avx2", "fma", "f16c"}
 AVX512 = AVX2 | {"avx512f", "avx512bw", "avx512vl", "avx512dq"}
@@ -24,36 +24,38 @@ def caps(flags: set[str], arch: str = "x86_64", forced: str | None = None, onedn
     return cpu_caps.detect(flags=flags, arch=arch, forced=forced, onednn_bf16=onednn)
 
 
-# (name, caps, kernels built) -> (bf16 linear path, auto dtype is bf16). The measured classes
-# are in docs/benchmarks.md ("The dtype rule"); the others follow what runs.
+# (name, caps, kernels built) -> (bf16 linear path, auto dtype is bf16, fp32 linear path). The
+# measured classes are in docs/benchmarks.md ("The dtype rule"); the others follow what runs.
 CLASSES = [
-    ("AVX-512 with BF16/AMX", caps(SAPPHIRE_RAPIDS), True, PATH_PACKED, True),
-    ("the same, no compiler", caps(SAPPHIRE_RAPIDS), False, PATH_PACKED, True),
-    ("AVX-512 with BF16, no AMX", caps(ZEN4), True, PATH_PANELS, True),
-    ("the same, no compiler", caps(ZEN4), False, PATH_PACKED, True),
-    ("AVX-512 with BF16 capped at AVX-512", caps(ZEN4, forced="avx512"), True, PATH_BF16_KERNEL, True),
-    ("AVX-512 without BF16", caps(AVX512), True, PATH_BF16_KERNEL, True),
-    ("AVX-512 without BF16, no compiler", caps(AVX512), False, PATH_PACKED, False),
-    ("AVX2 (oneDNN refuses bf16)", caps(AVX2, onednn=False), True, PATH_BF16_KERNEL, True),
-    ("AVX2, no compiler", caps(AVX2, onednn=False), False, PATH_TORCH, False),
-    ("AMX machine capped at AVX2", caps(SAPPHIRE_RAPIDS, forced="avx2"), True, PATH_BF16_KERNEL, True),
-    ("AMX machine capped at AVX-512", caps(SAPPHIRE_RAPIDS, forced="avx512"), True, PATH_BF16_KERNEL, True),
-    ("ARM with BF16", caps({"fp", "asimd", "bf16", "sve"}, arch="aarch64"), True, PATH_PACKED, True),
-    ("ARM without BF16", caps({"fp", "asimd"}, arch="aarch64", onednn=False), True, PATH_BF16_KERNEL, False),
-    ("x86 before AVX2", caps({"sse4_2", "avx"}, onednn=False), True, PATH_BF16_KERNEL, False),
+    ("AVX-512 with BF16/AMX", caps(SAPPHIRE_RAPIDS), True, PATH_PACKED, True, PATH_F32_PANELS),
+    ("the same, no compiler", caps(SAPPHIRE_RAPIDS), False, PATH_PACKED, True, PATH_TORCH),
+    ("AVX-512 with BF16, no AMX", caps(ZEN4), True, PATH_PANELS, True, PATH_F32_PANELS),
+    ("the same, no compiler", caps(ZEN4), False, PATH_PACKED, True, PATH_TORCH),
+    ("AVX-512 with BF16 capped at AVX-512", caps(ZEN4, forced="avx512"), True, PATH_BF16_KERNEL, True, PATH_F32_PANELS),
+    ("AVX-512 without BF16", caps(AVX512), True, PATH_BF16_KERNEL, True, PATH_F32_PANELS),
+    ("AVX-512 without BF16, no compiler", caps(AVX512), False, PATH_PACKED, False, PATH_TORCH),
+    ("AVX2 (oneDNN refuses bf16)", caps(AVX2, onednn=False), True, PATH_BF16_KERNEL, True, PATH_F32_PANELS),
+    ("AVX2, no compiler", caps(AVX2, onednn=False), False, PATH_TORCH, False, PATH_TORCH),
+    ("AMX machine capped at AVX2", caps(SAPPHIRE_RAPIDS, forced="avx2"), True, PATH_BF16_KERNEL, True, PATH_F32_PANELS),
+    ("AMX machine capped at AVX-512", caps(SAPPHIRE_RAPIDS, forced="avx512"), True, PATH_BF16_KERNEL, True, PATH_F32_PANELS),
+    ("ARM with BF16", caps({"fp", "asimd", "bf16", "sve"}, arch="aarch64"), True, PATH_PACKED, True, PATH_TORCH),
+    ("ARM without BF16", caps({"fp", "asimd"}, arch="aarch64", onednn=False), True, PATH_BF16_KERNEL, False, PATH_TORCH),
+    ("x86 before AVX2", caps({"sse4_2", "avx"}, onednn=False), True, PATH_BF16_KERNEL, False, PATH_TORCH),
 ]
 
 
-@pytest.mark.parametrize("name,c,built,path,bf16", CLASSES, ids=[c[0] for c in CLASSES])
-def test_linear_path_and_auto_dtype_per_cpu_class(name, c, built, path, bf16):
+@pytest.mark.parametrize("name,c,built,path,bf16,fp32_path", CLASSES, ids=[c[0] for c in CLASSES])
+def test_linear_path_and_auto_dtype_per_cpu_class(name, c, built, path, bf16, fp32_path):
     """auto for a large model (1.2B parameters, or not known); small models below."""
     assert cpu_linear_path(torch.bfloat16, caps=c, kernels_built=built) == path
     assert cpu_caps.bf16_is_faster(c, built) == bf16
     assert cpu_caps.bf16_is_faster(c, built, 1_200_000_000) == bf16
-    # fp32 and fp16 weights, or packing switched off, always take F.linear.
-    assert cpu_linear_path(torch.float32, caps=c, kernels_built=built) == PATH_TORCH
+    # fp32 takes the fp32 panels where the ops are built for AVX2 or AVX-512; fp16 weights,
+    # or packing switched off, always take F.linear.
+    assert cpu_linear_path(torch.float32, caps=c, kernels_built=built) == fp32_path
     assert cpu_linear_path(torch.float16, caps=c, kernels_built=built) == PATH_TORCH
-    assert cpu_linear_path(torch.bfloat16, disable_packing=True, caps=c, kernels_built=built) == PATH_TORCH
+    for dtype in (torch.bfloat16, torch.float32):
+        assert cpu_linear_path(dtype, disable_packing=True, caps=c, kernels_built=built) == PATH_TORCH
 
 
 def test_auto_dtype_for_a_small_model_on_avx2_is_fp32():

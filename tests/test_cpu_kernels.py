@@ -1,6 +1,6 @@
 """The C++ CPU ops (srt_lite/csrc/*.cpp): the token cascade matches the torch ops' logits,
-the compiled graph's packed linear gives their result bit for bit, the bf16-weight linear
-matches the fp32 product, and bad input raises. Built for this CPU's level (cpu_caps);
+the compiled graph's packed linear gives their result bit for bit, the bf16-weight and
+panel linears match the fp32 product (the fp32 panels batch-invariant), and bad input raises. Built for this CPU's level (cpu_caps);
 `make test` runs this module again with the level capped at AVX2."""
 
 from __future__ import annotations
@@ -321,6 +321,77 @@ def test_panel_layers_replace_their_plain_weights():
     assert torch.equal(tied(ids), rows)
     torch.testing.assert_close(tied.compute_logits(hidden), want, rtol=8e-3, atol=2e-2)
     torch.testing.assert_close(tied.compute_logits(hidden[:1]), want[:1], rtol=8e-3, atol=2e-2)
+
+
+@pytest.mark.parametrize(
+    "M,N,K",
+    [
+        (1, 203, 82),  # one row; outputs off the vectors and the 32-row panels
+        (13, 100, 576),  # a 12-row tile and a tail of one (AVX-512); 3-row tiles (AVX2)
+        (100, 70, 1100),  # k in three ranges, and two chunks of rows
+        (4, 32, 1),  # one k
+        (7, 96, 7),  # an odd K, which bf16's layout would pair
+    ],
+)
+@pytest.mark.parametrize("bias", [False, True])
+def test_f32_panel_linear_matches_the_product_and_ignores_the_batch(M, N, K, bias):
+    """fp32 panels: within fp32 rounding of the float64 product, and each row's result is
+    the same bit for bit whether computed alone or in the batch (one multiply-add chain an
+    output, in k order, for every tile)."""
+    g = torch.Generator().manual_seed(9)
+    w, x = torch.randn(N, K, generator=g), torch.randn(M, K, generator=g)
+    b = torch.randn(N, generator=g) if bias else None
+    panels = pack_panels(w)
+    assert panels.shape == (-(-N // 32), K, 32, 1) and panels.dtype == torch.float32
+    got = panel_linear(x, panels, b, N)
+    assert got.dtype == torch.float32 and got.shape == (M, N)
+    want = x.double() @ w.double().t() + (b.double() if bias else 0)
+    torch.testing.assert_close(got.double(), want, rtol=1e-5, atol=1e-5 * K**0.5)
+    for m in {0, M // 2, M - 1}:
+        assert torch.equal(panel_linear(x[m : m + 1], panels, b, N), got[m : m + 1])
+    assert torch.equal(panel_linear(x[M // 2 :], panels, b, N), got[M // 2 :])
+
+
+def test_f32_panel_linear_rejects_bad_shapes_and_dtypes():
+    panels = pack_panels(torch.randn(40, 16))  # two panels
+    x = torch.randn(2, 16)
+    with pytest.raises(RuntimeError, match="x must be"):
+        panel_linear(torch.randn(2, 18), panels, None, 40)
+    with pytest.raises(RuntimeError, match="x must be"):
+        panel_linear(x.bfloat16(), panels, None, 40)
+    with pytest.raises(RuntimeError, match="does not fit"):
+        panel_linear(x, panels, None, 65)
+    with pytest.raises(RuntimeError, match="does not fit"):
+        panel_linear(x, panels, None, 32)
+    with pytest.raises(RuntimeError, match="bias must be"):
+        panel_linear(x, panels, torch.randn(39), 40)
+    with pytest.raises(RuntimeError, match="weight must be"):
+        torch.ops.srt_lite_cpu.f32_panel_linear(x, panels.reshape(2, 8, 64, 1).contiguous(), None, 40)
+    assert panel_linear(x[:0], panels, None, 40).shape == (0, 40)
+
+
+def test_f32_panel_layers_replace_their_plain_weights():
+    """In fp32 a linear's panels replace its weight, odd K included, and a tied embedding
+    looks its rows up in the panels exactly."""
+    from srt_lite.layers import embedding
+
+    g = torch.Generator().manual_seed(10)
+    layer = PackableLinear()
+    layer.weight = torch.nn.Parameter(torch.randn(100, 7, generator=g), requires_grad=False)
+    want = torch.nn.functional.linear(x := torch.randn(3, 7, generator=g), layer.weight)
+    layer.use_panels()
+    assert layer.weight.numel() == 0 and layer.panels is not None
+    torch.testing.assert_close(layer.matmul(x, None), want, rtol=1e-5, atol=1e-5)
+    tied = embedding.VocabParallelEmbedding(300, 64)
+    tied.weight.data = torch.randn(300, 64, generator=g)
+    hidden = torch.randn(2, 64, generator=g)
+    want = hidden @ tied.weight.t()
+    ids = torch.tensor([0, 31, 32, 299, 5, 5])
+    rows = tied(ids)
+    tied.use_panels()
+    assert tied.weight.numel() == 0
+    assert torch.equal(tied(ids), rows)
+    torch.testing.assert_close(tied.compute_logits(hidden), want, rtol=1e-5, atol=1e-4)
 
 
 def _masked_reference(q, k_buf, v_buf, rows, prefix, num_heads, scale):

@@ -442,6 +442,118 @@ at::Tensor panel_linear(const at::Tensor& x, const at::Tensor& weight, const std
 #endif
   return out;
 }
+
+// fp32 panel layout (srt_lite's own prepacked fp32 weight, see f32_panel_linear): weight
+// [N, K] as [N / 32, K, 32, 1], zero padded, so one k of 32 outputs is two AVX-512 vectors
+// (four AVX2 ones) in a row, and each thread streams whole panels. MKL's sgemv/sgemm read a
+// plain weight far below the memory's speed at decode's few rows; this reads it once for a
+// tile of rows at a time.
+// Every output sums its k terms in order in one fused multiply-add chain, whatever the tile
+// or the number of rows, so a row's result does not depend on the batch it is computed in.
+constexpr int64_t kF32PanelRows = 32;
+constexpr int kF32Vecs = static_cast<int>(kF32PanelRows / Vec::size());
+// Rows a tile takes: kF32Vecs accumulators a row, with the weight vectors and a broadcast,
+// in the vector registers (32 with AVX-512, 16 with AVX2).
+constexpr int kF32TileRows = Vec::size() >= 16 ? 12 : 3;
+// Rows of x taken per pass over the weight, and k taken per pass over those rows: a panel's
+// 512 k are 64 KB, which stay in L2 while each tile of the chunk reads them.
+constexpr int64_t kF32ChunkRows = 96;
+constexpr int64_t kF32ChunkK = 512;
+// How far ahead (in k) the weight stream is prefetched.
+constexpr int64_t kF32PrefetchK = 16;
+
+struct F32PanelArgs {
+  const float* x;     // [M, K]
+  const float* w;     // [N / 32, K, 32, 1]
+  const float* bias;  // [N] or null
+  float* out;         // [M, N]
+  int64_t N, K;
+};
+
+// Rows [m0, m0 + MR) against a panel over k [k0, k1). A partial range keeps its sums in
+// `partial` (fp32 [MR, 32]); the last one writes out, with the bias; outputs past N (the
+// panel's padding) are not written.
+template <int MR>
+void f32_panel_step(const F32PanelArgs& a, int64_t m0, int64_t panel, int64_t k0, int64_t k1, float* partial) {
+  constexpr int64_t W = Vec::size();
+  Vec acc[MR][kF32Vecs];
+  for (int m = 0; m < MR; ++m) {
+    for (int b = 0; b < kF32Vecs; ++b) acc[m][b] = k0 == 0 ? Vec(0.f) : Vec::loadu(partial + m * kF32PanelRows + b * W);
+  }
+  const float* w = a.w + (panel * a.K + k0) * kF32PanelRows;
+  const float* x = a.x + m0 * a.K;
+  for (int64_t k = k0; k < k1; ++k, w += kF32PanelRows) {
+    __builtin_prefetch(w + kF32PrefetchK * kF32PanelRows);
+    __builtin_prefetch(w + kF32PrefetchK * kF32PanelRows + 16);
+    Vec wv[kF32Vecs];
+    for (int b = 0; b < kF32Vecs; ++b) wv[b] = Vec::loadu(w + b * W);
+    for (int m = 0; m < MR; ++m) {
+      const Vec xb(x[m * a.K + k]);
+      for (int b = 0; b < kF32Vecs; ++b) acc[m][b] = at::vec::fmadd(xb, wv[b], acc[m][b]);
+    }
+  }
+  if (k1 < a.K) {
+    for (int m = 0; m < MR; ++m) {
+      for (int b = 0; b < kF32Vecs; ++b) acc[m][b].store(partial + m * kF32PanelRows + b * W);
+    }
+    return;
+  }
+  for (int b = 0; b < kF32Vecs; ++b) {
+    const int64_t n = panel * kF32PanelRows + b * W;
+    if (n >= a.N) break;
+    const int count = static_cast<int>(std::min(W, a.N - n));
+    const Vec bv = a.bias ? Vec::loadu(a.bias + n, count) : Vec(0.f);
+    for (int m = 0; m < MR; ++m) (acc[m][b] + bv).store(a.out + (m0 + m) * a.N + n, count);
+  }
+}
+
+// f32_panel_step for a tile of 1..MR rows.
+template <int MR = kF32TileRows>
+void f32_panel_rows(int64_t rows, const F32PanelArgs& a, int64_t m0, int64_t panel, int64_t k0, int64_t k1, float* partial) {
+  if constexpr (MR > 1) {
+    if (rows < MR) return f32_panel_rows<MR - 1>(rows, a, m0, panel, k0, k1, partial);
+  }
+  f32_panel_step<MR>(a, m0, panel, k0, k1, partial);
+}
+
+// x [M, K] fp32, weight [N / 32, K, 32, 1] fp32 (pack_panels in linear.py), bias [N] or
+// none -> [M, N] fp32. Work units are whole panels, split between the threads.
+at::Tensor f32_panel_linear(const at::Tensor& x, const at::Tensor& weight, const std::optional<at::Tensor>& bias, int64_t N) {
+  TORCH_CHECK(weight.scalar_type() == at::kFloat && weight.dim() == 4 && weight.is_contiguous() &&
+                  weight.size(2) == kF32PanelRows && weight.size(3) == 1,
+              "f32_panel_linear: weight must be a contiguous fp32 [N / 32, K, 32, 1]");
+  const int64_t K = weight.size(1), panels = weight.size(0);
+  TORCH_CHECK(K > 0, "f32_panel_linear: K must be positive");
+  TORCH_CHECK(N > (panels - 1) * kF32PanelRows && N <= panels * kF32PanelRows, "f32_panel_linear: N = ", N,
+              " does not fit ", panels, " panels");
+  TORCH_CHECK(x.scalar_type() == at::kFloat && x.dim() == 2 && x.size(1) == K, "f32_panel_linear: x must be fp32 [M, ", K, "]");
+  const bool has_bias = bias.has_value() && bias->defined();
+  TORCH_CHECK(!has_bias || bias->numel() == N, "f32_panel_linear: bias must be [N]");
+  const int64_t M = x.size(0);
+  at::Tensor out = at::empty({M, N}, x.options());  // [M, N]
+  if (M == 0) return out;
+  at::Tensor xc = x.contiguous();
+  at::Tensor bf = has_bias ? bias->to(at::kFloat).contiguous() : at::Tensor();  // [N]
+  const F32PanelArgs a{xc.data_ptr<float>(), weight.data_ptr<float>(), has_bias ? bf.data_ptr<float>() : nullptr,
+                       out.data_ptr<float>(), N, K};
+  for (int64_t c0 = 0; c0 < M; c0 += kF32ChunkRows) {
+    const int64_t c1 = std::min(M, c0 + kF32ChunkRows);
+    at::parallel_for(0, panels, 1, [&](int64_t begin, int64_t end) {
+      thread_local std::vector<float> partial;
+      partial.resize(kF32ChunkRows * kF32PanelRows);  // [rows, 32] sums of a k range
+      for (int64_t panel = begin; panel < end; ++panel) {
+        for (int64_t k0 = 0; k0 < K; k0 += kF32ChunkK) {
+          const int64_t k1 = std::min(K, k0 + kF32ChunkK);
+          for (int64_t m0 = c0; m0 < c1; m0 += kF32TileRows) {
+            f32_panel_rows(std::min<int64_t>(kF32TileRows, c1 - m0), a, m0, panel, k0, k1,
+                           partial.data() + (m0 - c0) * kF32PanelRows);
+          }
+        }
+      }
+    });
+  }
+  return out;
+}
 }  // namespace
 
 TORCH_LIBRARY_FRAGMENT(srt_lite_cpu, m) {
@@ -449,12 +561,14 @@ TORCH_LIBRARY_FRAGMENT(srt_lite_cpu, m) {
   m.def("bf16_gemv(Tensor x, Tensor weight) -> Tensor");
   m.def("bf16_gemv_supported() -> bool");
   m.def("panel_linear(Tensor x, Tensor weight, Tensor? bias, int N) -> Tensor");
+  m.def("f32_panel_linear(Tensor x, Tensor weight, Tensor? bias, int N) -> Tensor");
 }
 
 TORCH_LIBRARY_IMPL(srt_lite_cpu, CPU, m) {
   m.impl("bf16_linear", &bf16_linear);
   m.impl("bf16_gemv", &bf16_gemv);
   m.impl("panel_linear", &panel_linear);
+  m.impl("f32_panel_linear", &f32_panel_linear);
 }
 
 TORCH_LIBRARY_IMPL(srt_lite_cpu, CompositeExplicitAutograd, m) {

@@ -9,7 +9,7 @@ from torch import nn
 from srt_lite.distributed import get_tp_rank, get_tp_size, tp_all_gather, tp_all_reduce
 from srt_lite.layers import cpu_kernels
 from srt_lite.layers.linear import (
-    PANEL_ROWS, bf16_gemv_available, bf16_kernel_linear, pack_panels, pack_weight, packed_linear, panel_linear,
+    bf16_gemv_available, bf16_kernel_linear, pack_panels, pack_weight, packed_linear, panel_linear, panel_shape,
 )
 from srt_lite.model_loader.weight_utils import TensorSource, read_narrow
 
@@ -45,7 +45,8 @@ class VocabParallelEmbedding(nn.Module):
         replaced the plain weight (a gather of each row's k pairs)."""
         if self.panels is None:
             return F.embedding(ids, self.weight)
-        rows = self.panels[ids // PANEL_ROWS, :, ids % PANEL_ROWS]  # [T, K / 2, 2]
+        per_panel = self.panels.shape[2]
+        rows = self.panels[ids // per_panel, :, ids % per_panel]  # [T, K / G, G]
         return rows.reshape(ids.shape[0], -1)[:, : self.hidden_size]
 
     def forward(self, input_ids: torch.Tensor) -> torch.Tensor:
@@ -70,10 +71,11 @@ class VocabParallelEmbedding(nn.Module):
         self.gemv = bf16_gemv_available()
 
     def use_panels(self) -> None:
-        """PATH_PANELS: the LM head in srt_lite's panel layout, as the linears. The panels
-        replace the plain weight, and the lookup gathers its rows from them, so a tied
-        embedding holds one copy. The layout pairs K: an odd one keeps F.linear."""
-        if self.lookup_only or self.weight.shape[1] % 2:
+        """PATH_PANELS / PATH_F32_PANELS: the LM head in srt_lite's panel layout, as the
+        linears. The panels replace the plain weight, and the lookup gathers its rows from
+        them, so a tied embedding holds one copy. bf16's layout pairs K: an odd one keeps
+        F.linear."""
+        if self.lookup_only or self.weight.shape[1] % panel_shape(self.weight.dtype)[1]:
             return
         self.panels = pack_panels(self.weight.data)
         self.weight.data = torch.empty(0, dtype=self.weight.dtype)

@@ -62,6 +62,7 @@ PATH_TORCH = "torch"  # F.linear: fp32 (MKL/oneDNN), fp16, or bf16 without a bet
 PATH_PACKED = "onednn-packed"  # bf16 weights prepacked once for oneDNN (where it runs bf16)
 PATH_BF16_KERNEL = "bf16-kernel"  # bf16 weights, fp32 math in srt_lite_cpu::bf16_linear
 PATH_PANELS = "bf16-panels"  # bf16 weights in srt_lite's panel layout (srt_lite_cpu::panel_linear)
+PATH_F32_PANELS = "f32-panels"  # fp32 weights in the panel layout (srt_lite_cpu::f32_panel_linear)
 # Rows up to which bf16_linear runs its weight-streaming kernel; above, a widened fp32 copy
 # and the fp32 matmul are faster (on AVX2 the two are level at about 16 rows).
 BF16_KERNEL_ROWS = 16
@@ -76,10 +77,16 @@ def cpu_linear_path(dtype: torch.dtype, disable_packing: bool = False, caps: cpu
     (docs/benchmarks.md, "The dtype rule", has the figures).
     With AVX512-BF16 but no AMX, srt_lite's panel kernel reads a one-token product's weight
     about twice as fast as oneDNN's packed GEMV and is level with it from a few dozen rows
-    up (docs/benchmarks.md, "Panel layout"); AMX keeps oneDNN, whose AMX tiles it lacks."""
-    if dtype != torch.bfloat16 or disable_packing:
+    up (docs/benchmarks.md, "Panel layout"); AMX keeps oneDNN, whose AMX tiles it lacks.
+    fp32 takes the fp32 panel kernel on AVX2 and AVX-512, where MKL reads a decode step's
+    weights at a fraction of the memory's speed (docs/benchmarks.md, "fp32 panels"); other
+    CPUs keep F.linear, on which the kernel is not measured."""
+    if disable_packing or dtype not in (torch.bfloat16, torch.float32):
         return PATH_TORCH
     caps = caps or cpu_caps.get()
+    if dtype == torch.float32:
+        built = cpu_kernels.load() if kernels_built is None else kernels_built
+        return PATH_F32_PANELS if built and caps.level in ("avx2", "avx512") else PATH_TORCH
     built = panels_built() if kernels_built is None else kernels_built
     if caps.avx512_bf16 and not caps.amx_bf16 and built:
         return PATH_PANELS
@@ -110,20 +117,33 @@ def bf16_gemv_available() -> bool:
     return cpu_caps.get().avx512_bf16 and panels_built()
 
 
-# Output rows of one panel of pack_panels' layout (kPanelRows in cpu_linear.cpp).
+# Output rows of one panel of pack_panels' layout (kPanelRows and kF32PanelRows in
+# cpu_linear.cpp), and the k elements grouped in a vector lane: bf16's dot product takes
+# a pair of k, fp32's multiply-add one.
 PANEL_ROWS = 64
+F32_PANEL_ROWS = 32
+
+
+def panel_shape(dtype: torch.dtype) -> tuple[int, int]:
+    """(outputs a panel holds, k elements grouped) of the panel layout for `dtype` weights."""
+    return (PANEL_ROWS, 2) if dtype == torch.bfloat16 else (F32_PANEL_ROWS, 1)
 
 
 def pack_panels(weight: torch.Tensor) -> torch.Tensor:
-    """A bf16 [N, K] weight in srt_lite's panel layout, [N / 64, K / 2, 64, 2] (zero padded):
-    each k pair of 64 outputs is contiguous, as srt_lite_cpu::panel_linear reads it."""
+    """A [N, K] weight in srt_lite's panel layout, [N / R, K / G, R, G] (zero padded), with
+    (R, G) = panel_shape: bf16 [N / 64, K / 2, 64, 2], fp32 [N / 32, K, 32, 1]. Each k group
+    of a panel's outputs is contiguous, as srt_lite_cpu::panel_linear / f32_panel_linear
+    read it."""
+    rows, group = panel_shape(weight.dtype)
     n, k = weight.shape
-    padded = torch.nn.functional.pad(weight, (0, k % 2, 0, -n % PANEL_ROWS))  # [N', K']
-    return padded.view(padded.shape[0] // PANEL_ROWS, PANEL_ROWS, padded.shape[1] // 2, 2).transpose(1, 2).contiguous()
+    padded = torch.nn.functional.pad(weight, (0, -k % group, 0, -n % rows))  # [N', K']
+    return padded.view(padded.shape[0] // rows, rows, padded.shape[1] // group, group).transpose(1, 2).contiguous()
 
 
 def panel_linear(x: torch.Tensor, panels: torch.Tensor, bias: torch.Tensor | None, out_features: int) -> torch.Tensor:
-    """x [n, in] bf16 -> [n, out] through a pack_panels() weight."""
+    """x [n, in] -> [n, out] through a pack_panels() weight, in its dtype (bf16 or fp32)."""
+    if panels.dtype == torch.float32:
+        return torch.ops.srt_lite_cpu.f32_panel_linear(x, panels, bias, out_features)
     return torch.ops.srt_lite_cpu.panel_linear(x, panels, bias, out_features)
 
 
@@ -169,10 +189,11 @@ class PackableLinear(nn.Module):
         self.bf16_kernel = True
 
     def use_panels(self) -> None:
-        """PATH_PANELS: the weight in the panel layout, which replaces the plain one (a plain
-        tensor, so a compiled graph takes it as an input and calls the op directly)."""
-        if self.weight.shape[1] % 2:
-            return  # the layout pairs K: an odd one keeps F.linear
+        """PATH_PANELS / PATH_F32_PANELS: the weight in the panel layout, which replaces the
+        plain one (a plain tensor, so a compiled graph takes it as an input and calls the op
+        directly)."""
+        if self.weight.shape[1] % panel_shape(self.weight.dtype)[1]:
+            return  # bf16's layout pairs K: an odd one keeps F.linear
         self.out_features = self.weight.shape[0]
         self.panels = pack_panels(self.weight.data)
         self.weight.data = torch.empty(0, dtype=self.weight.dtype)
@@ -252,17 +273,21 @@ def _register_cpp_fake() -> None:
     def _(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None, n: int) -> torch.Tensor:
         return x.new_empty(x.shape[0], n)  # [T, out_features]
 
+    @torch.library.register_fake("srt_lite_cpu::f32_panel_linear")
+    def _(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None, n: int) -> torch.Tensor:
+        return x.new_empty(x.shape[0], n)  # [T, out_features]
+
 
 def prepare_linears_for_cpu(model: nn.Module, path: str) -> None:
     """Readies every linear of a CPU model, and the LM head (the embedding, see
     VocabParallelEmbedding), for `path`: prepacked for oneDNN, in srt_lite's panel layout,
     or the C++ bf16 kernel."""
-    if path in (PATH_BF16_KERNEL, PATH_PANELS):
+    if path in (PATH_BF16_KERNEL, PATH_PANELS, PATH_F32_PANELS):
         _register_cpp_fake()  # for torch.compile, before any graph is traced
     for m in model.modules():
         if path == PATH_PACKED and hasattr(m, "pack_for_cpu"):
             m.pack_for_cpu()
-        elif path == PATH_PANELS and hasattr(m, "use_panels"):
+        elif path in (PATH_PANELS, PATH_F32_PANELS) and hasattr(m, "use_panels"):
             m.use_panels()
         elif path == PATH_BF16_KERNEL and hasattr(m, "use_bf16_kernel"):
             m.use_bf16_kernel()
