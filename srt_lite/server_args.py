@@ -169,8 +169,8 @@ class ServerArgs:
     )
     disable_weight_packing: bool = _arg(
         False,
-        "On a bfloat16 CPU, call plain F.linear instead of weights packed once at load (srt_lite's "
-        "panel layout, or oneDNN's) or, where oneDNN has no bf16, the C++ bf16 kernel.",
+        "On a CPU, call plain F.linear instead of weights packed once at load (srt_lite's panel "
+        "layout in bfloat16 and float32, or oneDNN's) or, where oneDNN has no bf16, the C++ bf16 kernel.",
         "Runtime",
     )
     disable_cuda_graph: bool = _arg(

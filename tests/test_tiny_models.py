@@ -9,7 +9,7 @@ from transformers import AutoModelForCausalLM, LlamaConfig, Qwen2Config, Qwen3Co
 
 from model_harness import Harness, fragment_free_list
 from srt_lite.layers.linear import (
-    EXACT_ROWS, PATH_BF16_KERNEL, PATH_PACKED, PATH_PANELS, PATH_TORCH, PackableLinear, cpu_linear_path,
+    EXACT_ROWS, PATH_BF16_KERNEL, PATH_F32_PANELS, PATH_PACKED, PATH_PANELS, PATH_TORCH, PackableLinear, cpu_linear_path,
 )
 from srt_lite.model_config import ModelConfig
 from srt_lite.model_executor.model_runner import ModelRunner
@@ -170,6 +170,35 @@ def test_bf16_cpu_linears_give_the_plain_logits(kind, tmp_path):
             assert torch.equal(a.argmax(-1), b.argmax(-1))
 
 
+@pytest.mark.cpu_caps
+@pytest.mark.parametrize("kind", ["llama", "llama_tied_bias"])
+def test_fp32_cpu_linears_give_the_plain_logits(kind, tmp_path):
+    """fp32 on an AVX2 or AVX-512 CPU with the ops built: every linear and the LM head in the
+    fp32 panel layout, which replaces the plain weights (a tied head's lookup gathers from
+    its panels). Logits of a prefill and a decode step agree with plain F.linear's to fp32
+    rounding (another summation order), and the greedy tokens are the same."""
+    path = make_tiny_model(kind, tmp_path / kind)
+    runners = [
+        ModelRunner(ModelConfig.load(path), ServerArgs(dtype="float32", max_total_tokens=512, disable_weight_packing=off))
+        for off in (False, True)
+    ]
+    fast, plain = runners
+    assert fast.linear_path == cpu_linear_path(torch.float32) and plain.linear_path == PATH_TORCH
+    if fast.linear_path != PATH_F32_PANELS:
+        pytest.skip("no fp32 panels on this CPU or build")
+    linears = [m for m in fast.model.modules() if isinstance(m, PackableLinear)]
+    assert linears and all(m.panels is not None and m.weight.numel() == 0 for m in linears)
+    assert fast.model.lm_head.panels is not None and fast.model.lm_head.weight.numel() == 0
+    out = []
+    for runner in runners:
+        h = Harness(runner)
+        first = h.prefill([list(range(5, 20)), list(range(30, 38))]).all_logits
+        out.append((first, h.decode([3, 4])))
+    for a, b in zip(out[0], out[1]):
+        assert (a - b).abs().max().item() < 1e-4 * max(b.abs().max().item(), 1.0)
+        assert torch.equal(a.argmax(-1), b.argmax(-1))
+
+
 def test_qwen3_q_k_norm_weights_are_used(tmp_path):
     """Guards the test above: zeroing q_norm changes our logits (the norm is not ignored)."""
     path = make_tiny_model("qwen3", tmp_path / "q3")
@@ -271,6 +300,8 @@ def test_torch_compile_matches_eager(kind, dtype, tmp_path):
     elif dtype == "bfloat16":
         assert compiled.linear_path == PATH_BF16_KERNEL
         assert all(m.bf16_kernel for m in compiled.model.modules() if isinstance(m, PackableLinear))
+    elif compiled.linear_path == PATH_F32_PANELS:  # the graph calls the fp32 panel op
+        assert all(m.panels is not None for m in compiled.model.modules() if isinstance(m, PackableLinear))
     graphs_before = counters["stats"]["unique_graphs"]
     compiled.warmup(max_decode_batch=2, num_draft_tokens=2, prefill_chunk=0)
     assert counters["stats"]["unique_graphs"] - graphs_before == 2  # many tokens, one token
