@@ -12,7 +12,9 @@ import pytest
 import torch
 
 from srt_lite import cpu_caps
-from srt_lite.layers.linear import PATH_BF16_KERNEL, PATH_F32_PANELS, PATH_PACKED, PATH_PANELS, PATH_TORCH, cpu_linear_path
+from srt_lite.layers.linear import (
+    PATH_BF16_KERNEL, PATH_F32_PANELS, PATH_PACKED, PATH_PANELS, PATH_TORCH, PATH_WIDE_PANELS, cpu_linear_path,
+)
 
 AVX2 = {"sse4_2", "avx", "avx2", "fma", "f16c"}
 AVX512 = AVX2 | {"avx512f", "avx512bw", "avx512vl", "avx512dq"}
@@ -31,13 +33,13 @@ CLASSES = [
     ("the same, no compiler", caps(SAPPHIRE_RAPIDS), False, PATH_PACKED, True, PATH_TORCH),
     ("AVX-512 with BF16, no AMX", caps(ZEN4), True, PATH_PANELS, True, PATH_F32_PANELS),
     ("the same, no compiler", caps(ZEN4), False, PATH_PACKED, True, PATH_TORCH),
-    ("AVX-512 with BF16 capped at AVX-512", caps(ZEN4, forced="avx512"), True, PATH_BF16_KERNEL, True, PATH_F32_PANELS),
-    ("AVX-512 without BF16", caps(AVX512), True, PATH_BF16_KERNEL, True, PATH_F32_PANELS),
+    ("AVX-512 with BF16 capped at AVX-512", caps(ZEN4, forced="avx512"), True, PATH_WIDE_PANELS, True, PATH_F32_PANELS),
+    ("AVX-512 without BF16", caps(AVX512), True, PATH_WIDE_PANELS, True, PATH_F32_PANELS),
     ("AVX-512 without BF16, no compiler", caps(AVX512), False, PATH_PACKED, False, PATH_TORCH),
-    ("AVX2 (oneDNN refuses bf16)", caps(AVX2, onednn=False), True, PATH_BF16_KERNEL, True, PATH_F32_PANELS),
+    ("AVX2 (oneDNN refuses bf16)", caps(AVX2, onednn=False), True, PATH_WIDE_PANELS, True, PATH_F32_PANELS),
     ("AVX2, no compiler", caps(AVX2, onednn=False), False, PATH_TORCH, False, PATH_TORCH),
-    ("AMX machine capped at AVX2", caps(SAPPHIRE_RAPIDS, forced="avx2"), True, PATH_BF16_KERNEL, True, PATH_F32_PANELS),
-    ("AMX machine capped at AVX-512", caps(SAPPHIRE_RAPIDS, forced="avx512"), True, PATH_BF16_KERNEL, True, PATH_F32_PANELS),
+    ("AMX machine capped at AVX2", caps(SAPPHIRE_RAPIDS, forced="avx2"), True, PATH_WIDE_PANELS, True, PATH_F32_PANELS),
+    ("AMX machine capped at AVX-512", caps(SAPPHIRE_RAPIDS, forced="avx512"), True, PATH_WIDE_PANELS, True, PATH_F32_PANELS),
     ("ARM with BF16", caps({"fp", "asimd", "bf16", "sve"}, arch="aarch64"), True, PATH_PACKED, True, PATH_TORCH),
     ("ARM without BF16", caps({"fp", "asimd"}, arch="aarch64", onednn=False), True, PATH_BF16_KERNEL, False, PATH_TORCH),
     ("x86 before AVX2", caps({"sse4_2", "avx"}, onednn=False), True, PATH_BF16_KERNEL, False, PATH_TORCH),

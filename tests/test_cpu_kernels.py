@@ -328,28 +328,36 @@ def test_panel_layers_replace_their_plain_weights():
     [
         (1, 203, 82),  # one row; outputs off the vectors and the 32-row panels
         (13, 100, 576),  # a 12-row tile and a tail of one (AVX-512); 3-row tiles (AVX2)
-        (100, 70, 1100),  # k in three ranges, and two chunks of rows
+        (100, 70, 1100),  # k in three ranges, and two chunks of rows (bf16 widened into a copy)
+        (40, 70, 600),  # bf16: widened into a copy in the AVX2 build, in registers in AVX-512's
         (4, 32, 1),  # one k
         (7, 96, 7),  # an odd K, which bf16's layout would pair
     ],
 )
 @pytest.mark.parametrize("bias", [False, True])
-def test_f32_panel_linear_matches_the_product_and_ignores_the_batch(M, N, K, bias):
-    """fp32 panels: within fp32 rounding of the float64 product, and each row's result is
-    the same bit for bit whether computed alone or in the batch (one multiply-add chain an
-    output, in k order, for every tile)."""
+@pytest.mark.parametrize("wdtype", [torch.float32, torch.bfloat16])
+def test_f32_panel_linear_matches_the_product_and_ignores_the_batch(M, N, K, bias, wdtype):
+    """fp32 panels, of fp32 weights or of bf16 ones widened as they are read (up to 4 tiles
+    of rows) or into an fp32 copy (more): within fp32 rounding of the float64 product, and
+    each row's result is the same bit for bit whether computed alone or in the batch (one
+    multiply-add chain an output, in k order, for every tile and either way of widening)."""
     g = torch.Generator().manual_seed(9)
-    w, x = torch.randn(N, K, generator=g), torch.randn(M, K, generator=g)
+    w, x = torch.randn(N, K, generator=g).to(wdtype).float(), torch.randn(M, K, generator=g)
     b = torch.randn(N, generator=g) if bias else None
-    panels = pack_panels(w)
-    assert panels.shape == (-(-N // 32), K, 32, 1) and panels.dtype == torch.float32
-    got = panel_linear(x, panels, b, N)
+    panels = pack_panels(w.to(wdtype), wide=True)
+    assert panels.shape == (-(-N // 32), K, 32, 1) and panels.dtype == wdtype
+    got = torch.ops.srt_lite_cpu.f32_panel_linear(x, panels, b, N)
     assert got.dtype == torch.float32 and got.shape == (M, N)
     want = x.double() @ w.double().t() + (b.double() if bias else 0)
     torch.testing.assert_close(got.double(), want, rtol=1e-5, atol=1e-5 * K**0.5)
+    one = torch.ops.srt_lite_cpu.f32_panel_linear
     for m in {0, M // 2, M - 1}:
-        assert torch.equal(panel_linear(x[m : m + 1], panels, b, N), got[m : m + 1])
-    assert torch.equal(panel_linear(x[M // 2 :], panels, b, N), got[M // 2 :])
+        assert torch.equal(one(x[m : m + 1], panels, b, N), got[m : m + 1])
+    assert torch.equal(one(x[M // 2 :], panels, b, N), got[M // 2 :])
+    if wdtype == torch.bfloat16:  # a bf16 model's linear: x and the output in bf16
+        y = panel_linear(x.bfloat16(), panels, b, N)
+        assert y.dtype == torch.bfloat16
+        torch.testing.assert_close(y.float(), one(x.bfloat16().float(), panels, b, N).bfloat16().float())
 
 
 def test_f32_panel_linear_rejects_bad_shapes_and_dtypes():
@@ -358,7 +366,7 @@ def test_f32_panel_linear_rejects_bad_shapes_and_dtypes():
     with pytest.raises(RuntimeError, match="x must be"):
         panel_linear(torch.randn(2, 18), panels, None, 40)
     with pytest.raises(RuntimeError, match="x must be"):
-        panel_linear(x.bfloat16(), panels, None, 40)
+        torch.ops.srt_lite_cpu.f32_panel_linear(x.bfloat16(), panels, None, 40)
     with pytest.raises(RuntimeError, match="does not fit"):
         panel_linear(x, panels, None, 65)
     with pytest.raises(RuntimeError, match="does not fit"):
@@ -367,6 +375,8 @@ def test_f32_panel_linear_rejects_bad_shapes_and_dtypes():
         panel_linear(x, panels, torch.randn(39), 40)
     with pytest.raises(RuntimeError, match="weight must be"):
         torch.ops.srt_lite_cpu.f32_panel_linear(x, panels.reshape(2, 8, 64, 1).contiguous(), None, 40)
+    with pytest.raises(RuntimeError, match="weight must be"):
+        torch.ops.srt_lite_cpu.f32_panel_linear(x, panels.half(), None, 40)
     assert panel_linear(x[:0], panels, None, 40).shape == (0, 40)
 
 

@@ -9,7 +9,8 @@ from transformers import AutoModelForCausalLM, LlamaConfig, Qwen2Config, Qwen3Co
 
 from model_harness import Harness, fragment_free_list
 from srt_lite.layers.linear import (
-    EXACT_ROWS, PATH_BF16_KERNEL, PATH_F32_PANELS, PATH_PACKED, PATH_PANELS, PATH_TORCH, PackableLinear, cpu_linear_path,
+    EXACT_ROWS, PATH_BF16_KERNEL, PATH_F32_PANELS, PATH_PACKED, PATH_PANELS, PATH_TORCH, PATH_WIDE_PANELS, PackableLinear,
+    cpu_linear_path,
 )
 from srt_lite.model_config import ModelConfig
 from srt_lite.model_executor.model_runner import ModelRunner
@@ -130,7 +131,8 @@ def test_warmup_runs_prefill_decode_verify_and_a_full_chunk_then_frees_its_kv(tm
 def test_bf16_cpu_linears_give_the_plain_logits(kind, tmp_path):
     """bf16 on the CPU: the linears and the LM head (tied to the embedding or not) run
     through the path this CPU has: srt_lite's panel layout (AVX512-BF16 without AMX), weights
-    packed once for oneDNN where it computes bf16, else the C++ bf16 kernel. Logits of a
+    packed once for oneDNN where it computes bf16, the fp32 panel layout widened as it is read
+    (AVX2, AVX-512 without BF16), else the C++ bf16 kernel. Logits of a
     padded prefill (23 tokens) and a decode step equal the plain F.linear weights': bit for
     bit when packed (the same oneDNN product), to bf16 rounding through the panels or the
     kernel (fp32 accumulation in another order). A packed untied head keeps no plain copy."""
@@ -148,8 +150,9 @@ def test_bf16_cpu_linears_give_the_plain_logits(kind, tmp_path):
     if fast.linear_path == PATH_PACKED:
         assert head.packed_weight is not None and plain.model.lm_head.packed_weight is None
         assert (head.weight.numel() == 0) == (kind == "llama")  # tied: the lookup needs it
-    elif fast.linear_path == PATH_PANELS:
+    elif fast.linear_path in (PATH_PANELS, PATH_WIDE_PANELS):
         assert head.panels is not None and plain.model.lm_head.panels is None
+        assert head.panels.shape[2] == (64 if fast.linear_path == PATH_PANELS else 32)  # the layout
         assert head.weight.numel() == 0  # tied: the lookup gathers from the panels
         linears = [m for m in fast.model.modules() if isinstance(m, PackableLinear)]
         assert all(m.panels is not None and m.weight.numel() == 0 for m in linears)
@@ -295,7 +298,7 @@ def test_torch_compile_matches_eager(kind, dtype, tmp_path):
     if dtype == "bfloat16" and compiled.linear_path == PATH_PACKED:
         packed = [m for m in compiled.model.modules() if getattr(m, "packed_weight", None) is not None]
         assert packed and all(m.cpp_key >= 0 for m in packed if hasattr(m, "cpp_key"))  # the graph's C++ op
-    elif dtype == "bfloat16" and compiled.linear_path == PATH_PANELS:
+    elif dtype == "bfloat16" and compiled.linear_path in (PATH_PANELS, PATH_WIDE_PANELS):
         assert all(m.panels is not None for m in compiled.model.modules() if isinstance(m, PackableLinear))
     elif dtype == "bfloat16":
         assert compiled.linear_path == PATH_BF16_KERNEL

@@ -22,6 +22,7 @@
 #include <algorithm>
 #include <cstdint>
 #include <cstring>
+#include <type_traits>
 #include <vector>
 
 namespace {
@@ -462,9 +463,10 @@ constexpr int64_t kF32ChunkK = 512;
 // How far ahead (in k) the weight stream is prefetched.
 constexpr int64_t kF32PrefetchK = 16;
 
+template <typename TW>
 struct F32PanelArgs {
   const float* x;     // [M, K]
-  const float* w;     // [N / 32, K, 32, 1]
+  const TW* w;        // [N / 32, K, 32, 1], fp32 or bf16 (widened to fp32 as it is read)
   const float* bias;  // [N] or null
   float* out;         // [M, N]
   int64_t N, K;
@@ -473,20 +475,29 @@ struct F32PanelArgs {
 // Rows [m0, m0 + MR) against a panel over k [k0, k1). A partial range keeps its sums in
 // `partial` (fp32 [MR, 32]); the last one writes out, with the bias; outputs past N (the
 // panel's padding) are not written.
-template <int MR>
-void f32_panel_step(const F32PanelArgs& a, int64_t m0, int64_t panel, int64_t k0, int64_t k1, float* partial) {
+inline Vec load_weight(const float* p) { return Vec::loadu(p); }
+inline Vec load_weight(const c10::BFloat16* p) {
+  Vec v;
+  at::vec::load_to_float<c10::BFloat16>(p, v);
+  return v;
+}
+
+template <int MR, typename TW>
+void f32_panel_step(const F32PanelArgs<TW>& a, const TW* wp, int64_t m0, int64_t panel, int64_t k0, int64_t k1,
+                    float* partial) {
   constexpr int64_t W = Vec::size();
   Vec acc[MR][kF32Vecs];
   for (int m = 0; m < MR; ++m) {
     for (int b = 0; b < kF32Vecs; ++b) acc[m][b] = k0 == 0 ? Vec(0.f) : Vec::loadu(partial + m * kF32PanelRows + b * W);
   }
-  const float* w = a.w + (panel * a.K + k0) * kF32PanelRows;
+  const TW* w = wp + k0 * kF32PanelRows;
   const float* x = a.x + m0 * a.K;
   for (int64_t k = k0; k < k1; ++k, w += kF32PanelRows) {
-    __builtin_prefetch(w + kF32PrefetchK * kF32PanelRows);
-    __builtin_prefetch(w + kF32PrefetchK * kF32PanelRows + 16);
+    for (int64_t line = 0; line < kF32PanelRows * static_cast<int64_t>(sizeof(TW)); line += 64) {
+      __builtin_prefetch(reinterpret_cast<const char*>(w + kF32PrefetchK * kF32PanelRows) + line);
+    }
     Vec wv[kF32Vecs];
-    for (int b = 0; b < kF32Vecs; ++b) wv[b] = Vec::loadu(w + b * W);
+    for (int b = 0; b < kF32Vecs; ++b) wv[b] = load_weight(w + b * W);
     for (int m = 0; m < MR; ++m) {
       const Vec xb(x[m * a.K + k]);
       for (int b = 0; b < kF32Vecs; ++b) acc[m][b] = at::vec::fmadd(xb, wv[b], acc[m][b]);
@@ -507,21 +518,64 @@ void f32_panel_step(const F32PanelArgs& a, int64_t m0, int64_t panel, int64_t k0
   }
 }
 
-// f32_panel_step for a tile of 1..MR rows.
-template <int MR = kF32TileRows>
-void f32_panel_rows(int64_t rows, const F32PanelArgs& a, int64_t m0, int64_t panel, int64_t k0, int64_t k1, float* partial) {
+// f32_panel_step for a tile of 1..MR rows; wp: the panel's weight at k = 0 (a.w's panel, or
+// an fp32 copy of it), panel: which outputs it computes.
+template <int MR = kF32TileRows, typename TW>
+void f32_panel_rows(int64_t rows, const F32PanelArgs<TW>& a, const TW* wp, int64_t m0, int64_t panel, int64_t k0,
+                    int64_t k1, float* partial) {
   if constexpr (MR > 1) {
-    if (rows < MR) return f32_panel_rows<MR - 1>(rows, a, m0, panel, k0, k1, partial);
+    if (rows < MR) return f32_panel_rows<MR - 1>(rows, a, wp, m0, panel, k0, k1, partial);
   }
-  f32_panel_step<MR>(a, m0, panel, k0, k1, partial);
+  f32_panel_step<MR>(a, wp, m0, panel, k0, k1, partial);
 }
 
-// x [M, K] fp32, weight [N / 32, K, 32, 1] fp32 (pack_panels in linear.py), bias [N] or
-// none -> [M, N] fp32. Work units are whole panels, split between the threads.
+// out [M, N] = x . W^T (+ bias) over the panels, work units whole panels split between threads.
+// bf16 weights read by more than kWidenTiles tiles of rows are widened once per k range into
+// an fp32 copy of it that the tiles then read: widening in every tile cost more than the
+// bytes it saves once a chunk has many tiles (AVX2's tiles are 3 rows), and the copy's extra
+// pass cost more than it saved for a few. Widening is exact, so the sums are the same either way.
+constexpr int64_t kWidenTiles = 4;
+template <typename TW>
+void f32_panel_matmul(const F32PanelArgs<TW>& a, int64_t M, int64_t panels) {
+  for (int64_t c0 = 0; c0 < M; c0 += kF32ChunkRows) {
+    const int64_t c1 = std::min(M, c0 + kF32ChunkRows);
+    const bool widen = !std::is_same_v<TW, float> && c1 - c0 > kWidenTiles * kF32TileRows;
+    at::parallel_for(0, panels, 1, [&](int64_t begin, int64_t end) {
+      thread_local std::vector<float> partial, wide;
+      partial.resize(kF32ChunkRows * kF32PanelRows);  // [rows, 32] sums of a k range
+      if (widen) wide.resize(kF32ChunkK * kF32PanelRows);  // [k, 32] one panel's k range in fp32
+      for (int64_t panel = begin; panel < end; ++panel) {
+        for (int64_t k0 = 0; k0 < a.K; k0 += kF32ChunkK) {
+          const int64_t k1 = std::min(a.K, k0 + kF32ChunkK);
+          if (widen) {
+            const TW* src = a.w + (panel * a.K + k0) * kF32PanelRows;
+            for (int64_t i = 0; i < (k1 - k0) * kF32PanelRows; i += Vec::size()) load_weight(src + i).store(wide.data() + i);
+            const F32PanelArgs<float> f{a.x, nullptr, a.bias, a.out, a.N, a.K};
+            const float* wp = wide.data() - k0 * kF32PanelRows;  // the copy, indexed from k = 0
+            for (int64_t m0 = c0; m0 < c1; m0 += kF32TileRows) {
+              f32_panel_rows(std::min<int64_t>(kF32TileRows, c1 - m0), f, wp, m0, panel, k0, k1,
+                             partial.data() + (m0 - c0) * kF32PanelRows);
+            }
+            continue;
+          }
+          for (int64_t m0 = c0; m0 < c1; m0 += kF32TileRows) {
+            f32_panel_rows(std::min<int64_t>(kF32TileRows, c1 - m0), a, a.w + panel * a.K * kF32PanelRows, m0, panel, k0,
+                           k1, partial.data() + (m0 - c0) * kF32PanelRows);
+          }
+        }
+      }
+    });
+  }
+}
+
+// x [M, K] fp32, weight [N / 32, K, 32, 1] fp32 or bf16 (pack_panels in linear.py), bias
+// [N] or none -> [M, N] fp32. bf16 weights are widened to fp32 in registers: for CPUs whose
+// vectors have no bf16 arithmetic, half the bytes of fp32 read, and fp32's arithmetic.
 at::Tensor f32_panel_linear(const at::Tensor& x, const at::Tensor& weight, const std::optional<at::Tensor>& bias, int64_t N) {
-  TORCH_CHECK(weight.scalar_type() == at::kFloat && weight.dim() == 4 && weight.is_contiguous() &&
+  const bool bf16 = weight.scalar_type() == at::kBFloat16;
+  TORCH_CHECK((bf16 || weight.scalar_type() == at::kFloat) && weight.dim() == 4 && weight.is_contiguous() &&
                   weight.size(2) == kF32PanelRows && weight.size(3) == 1,
-              "f32_panel_linear: weight must be a contiguous fp32 [N / 32, K, 32, 1]");
+              "f32_panel_linear: weight must be a contiguous fp32 or bf16 [N / 32, K, 32, 1]");
   const int64_t K = weight.size(1), panels = weight.size(0);
   TORCH_CHECK(K > 0, "f32_panel_linear: K must be positive");
   TORCH_CHECK(N > (panels - 1) * kF32PanelRows && N <= panels * kF32PanelRows, "f32_panel_linear: N = ", N,
@@ -534,23 +588,13 @@ at::Tensor f32_panel_linear(const at::Tensor& x, const at::Tensor& weight, const
   if (M == 0) return out;
   at::Tensor xc = x.contiguous();
   at::Tensor bf = has_bias ? bias->to(at::kFloat).contiguous() : at::Tensor();  // [N]
-  const F32PanelArgs a{xc.data_ptr<float>(), weight.data_ptr<float>(), has_bias ? bf.data_ptr<float>() : nullptr,
-                       out.data_ptr<float>(), N, K};
-  for (int64_t c0 = 0; c0 < M; c0 += kF32ChunkRows) {
-    const int64_t c1 = std::min(M, c0 + kF32ChunkRows);
-    at::parallel_for(0, panels, 1, [&](int64_t begin, int64_t end) {
-      thread_local std::vector<float> partial;
-      partial.resize(kF32ChunkRows * kF32PanelRows);  // [rows, 32] sums of a k range
-      for (int64_t panel = begin; panel < end; ++panel) {
-        for (int64_t k0 = 0; k0 < K; k0 += kF32ChunkK) {
-          const int64_t k1 = std::min(K, k0 + kF32ChunkK);
-          for (int64_t m0 = c0; m0 < c1; m0 += kF32TileRows) {
-            f32_panel_rows(std::min<int64_t>(kF32TileRows, c1 - m0), a, m0, panel, k0, k1,
-                           partial.data() + (m0 - c0) * kF32PanelRows);
-          }
-        }
-      }
-    });
+  const float* bp = has_bias ? bf.data_ptr<float>() : nullptr;
+  if (bf16) {
+    f32_panel_matmul(F32PanelArgs<c10::BFloat16>{xc.data_ptr<float>(), weight.data_ptr<c10::BFloat16>(), bp,
+                                                 out.data_ptr<float>(), N, K}, M, panels);
+  } else {
+    f32_panel_matmul(F32PanelArgs<float>{xc.data_ptr<float>(), weight.data_ptr<float>(), bp, out.data_ptr<float>(), N, K},
+                     M, panels);
   }
   return out;
 }

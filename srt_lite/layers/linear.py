@@ -63,6 +63,7 @@ PATH_PACKED = "onednn-packed"  # bf16 weights prepacked once for oneDNN (where i
 PATH_BF16_KERNEL = "bf16-kernel"  # bf16 weights, fp32 math in srt_lite_cpu::bf16_linear
 PATH_PANELS = "bf16-panels"  # bf16 weights in srt_lite's panel layout (srt_lite_cpu::panel_linear)
 PATH_F32_PANELS = "f32-panels"  # fp32 weights in the panel layout (srt_lite_cpu::f32_panel_linear)
+PATH_WIDE_PANELS = "bf16-wide-panels"  # bf16 weights in the fp32 panel layout, widened as they are read
 # Rows up to which bf16_linear runs its weight-streaming kernel; above, a widened fp32 copy
 # and the fp32 matmul are faster (on AVX2 the two are level at about 16 rows).
 BF16_KERNEL_ROWS = 16
@@ -79,21 +80,24 @@ def cpu_linear_path(dtype: torch.dtype, disable_packing: bool = False, caps: cpu
     about twice as fast as oneDNN's packed GEMV and is level with it from a few dozen rows
     up (docs/benchmarks.md, "Panel layout"); AMX keeps oneDNN, whose AMX tiles it lacks.
     fp32 takes the fp32 panel kernel on AVX2 and AVX-512, where MKL reads a decode step's
-    weights at a fraction of the memory's speed (docs/benchmarks.md, "fp32 panels"); other
-    CPUs keep F.linear, on which the kernel is not measured."""
+    weights at a fraction of the memory's speed (docs/benchmarks.md, "fp32 panels"), and
+    bf16 on those CPUs without BF16 instructions the same kernel with the weights widened to
+    fp32 as they are read, which beat the C++ bf16 kernel at every row count measured; other
+    CPUs keep F.linear or the bf16 kernel, on which the panels are not measured."""
     if disable_packing or dtype not in (torch.bfloat16, torch.float32):
         return PATH_TORCH
     caps = caps or cpu_caps.get()
+    x86_vectors = caps.level in ("avx2", "avx512")
     if dtype == torch.float32:
         built = cpu_kernels.load() if kernels_built is None else kernels_built
-        return PATH_F32_PANELS if built and caps.level in ("avx2", "avx512") else PATH_TORCH
+        return PATH_F32_PANELS if built and x86_vectors else PATH_TORCH
     built = panels_built() if kernels_built is None else kernels_built
     if caps.avx512_bf16 and not caps.amx_bf16 and built:
         return PATH_PANELS
     if caps.onednn_bf16 and caps.native_bf16:
         return PATH_PACKED
     if cpu_kernels.load() if kernels_built is None else kernels_built:
-        return PATH_BF16_KERNEL
+        return PATH_WIDE_PANELS if x86_vectors else PATH_BF16_KERNEL
     return PATH_PACKED if caps.onednn_bf16 else PATH_TORCH
 
 
@@ -124,26 +128,29 @@ PANEL_ROWS = 64
 F32_PANEL_ROWS = 32
 
 
-def panel_shape(dtype: torch.dtype) -> tuple[int, int]:
-    """(outputs a panel holds, k elements grouped) of the panel layout for `dtype` weights."""
-    return (PANEL_ROWS, 2) if dtype == torch.bfloat16 else (F32_PANEL_ROWS, 1)
+def panel_shape(dtype: torch.dtype, wide: bool = False) -> tuple[int, int]:
+    """(outputs a panel holds, k elements grouped) of the panel layout for `dtype` weights;
+    wide: bf16 in the fp32 layout (PATH_WIDE_PANELS)."""
+    return (PANEL_ROWS, 2) if dtype == torch.bfloat16 and not wide else (F32_PANEL_ROWS, 1)
 
 
-def pack_panels(weight: torch.Tensor) -> torch.Tensor:
+def pack_panels(weight: torch.Tensor, wide: bool = False) -> torch.Tensor:
     """A [N, K] weight in srt_lite's panel layout, [N / R, K / G, R, G] (zero padded), with
-    (R, G) = panel_shape: bf16 [N / 64, K / 2, 64, 2], fp32 [N / 32, K, 32, 1]. Each k group
-    of a panel's outputs is contiguous, as srt_lite_cpu::panel_linear / f32_panel_linear
-    read it."""
-    rows, group = panel_shape(weight.dtype)
+    (R, G) = panel_shape: bf16 [N / 64, K / 2, 64, 2], fp32 (and bf16 with `wide`)
+    [N / 32, K, 32, 1]. Each k group of a panel's outputs is contiguous, as
+    srt_lite_cpu::panel_linear / f32_panel_linear read it."""
+    rows, group = panel_shape(weight.dtype, wide)
     n, k = weight.shape
     padded = torch.nn.functional.pad(weight, (0, -k % group, 0, -n % rows))  # [N', K']
     return padded.view(padded.shape[0] // rows, rows, padded.shape[1] // group, group).transpose(1, 2).contiguous()
 
 
 def panel_linear(x: torch.Tensor, panels: torch.Tensor, bias: torch.Tensor | None, out_features: int) -> torch.Tensor:
-    """x [n, in] -> [n, out] through a pack_panels() weight, in its dtype (bf16 or fp32)."""
-    if panels.dtype == torch.float32:
-        return torch.ops.srt_lite_cpu.f32_panel_linear(x, panels, bias, out_features)
+    """x [n, in] -> [n, out] through a pack_panels() weight, in x's dtype. The fp32 layout
+    (bf16 weights too, with `wide`) computes in fp32: a bf16 x is widened, the output rounded."""
+    if panels.shape[3] == 1:
+        y = torch.ops.srt_lite_cpu.f32_panel_linear(x.float(), panels, bias, out_features)
+        return y.to(x.dtype)
     return torch.ops.srt_lite_cpu.panel_linear(x, panels, bias, out_features)
 
 
@@ -188,14 +195,14 @@ class PackableLinear(nn.Module):
     def use_bf16_kernel(self) -> None:
         self.bf16_kernel = True
 
-    def use_panels(self) -> None:
-        """PATH_PANELS / PATH_F32_PANELS: the weight in the panel layout, which replaces the
-        plain one (a plain tensor, so a compiled graph takes it as an input and calls the op
-        directly)."""
-        if self.weight.shape[1] % panel_shape(self.weight.dtype)[1]:
+    def use_panels(self, wide: bool = False) -> None:
+        """PATH_PANELS / PATH_F32_PANELS / PATH_WIDE_PANELS (`wide`): the weight in the panel
+        layout, which replaces the plain one (a plain tensor, so a compiled graph takes it as
+        an input and calls the op directly)."""
+        if self.weight.shape[1] % panel_shape(self.weight.dtype, wide)[1]:
             return  # bf16's layout pairs K: an odd one keeps F.linear
         self.out_features = self.weight.shape[0]
-        self.panels = pack_panels(self.weight.data)
+        self.panels = pack_panels(self.weight.data, wide)
         self.weight.data = torch.empty(0, dtype=self.weight.dtype)
 
     def use_int4(self, codes: torch.Tensor, scale: torch.Tensor, zero: torch.Tensor) -> None:
@@ -282,13 +289,13 @@ def prepare_linears_for_cpu(model: nn.Module, path: str) -> None:
     """Readies every linear of a CPU model, and the LM head (the embedding, see
     VocabParallelEmbedding), for `path`: prepacked for oneDNN, in srt_lite's panel layout,
     or the C++ bf16 kernel."""
-    if path in (PATH_BF16_KERNEL, PATH_PANELS, PATH_F32_PANELS):
+    if path in (PATH_BF16_KERNEL, PATH_PANELS, PATH_F32_PANELS, PATH_WIDE_PANELS):
         _register_cpp_fake()  # for torch.compile, before any graph is traced
     for m in model.modules():
         if path == PATH_PACKED and hasattr(m, "pack_for_cpu"):
             m.pack_for_cpu()
-        elif path in (PATH_PANELS, PATH_F32_PANELS) and hasattr(m, "use_panels"):
-            m.use_panels()
+        elif path in (PATH_PANELS, PATH_F32_PANELS, PATH_WIDE_PANELS) and hasattr(m, "use_panels"):
+            m.use_panels(wide=path == PATH_WIDE_PANELS)
         elif path == PATH_BF16_KERNEL and hasattr(m, "use_bf16_kernel"):
             m.use_bf16_kernel()
 
