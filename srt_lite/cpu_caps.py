@@ -137,8 +137,9 @@ def detect(flags: set[str] | None = None, arch: str | None = None, forced: str |
     return dataclasses.replace(caps, onednn_bf16=bf16)
 
 
-# On AVX2, bf16 weights through the C++ kernel pay off from about this model size: below it
-# the product is bound by arithmetic more than by reading the weights, and fp32 is faster.
+# On AVX2, bf16 weights (widened to fp32 as they are read) pay off from about this model size:
+# below it batches and prefill are bound by arithmetic more than by reading the weights, and
+# fp32 is faster there.
 AVX2_BF16_MIN_PARAMS = 500_000_000
 
 
@@ -148,10 +149,10 @@ def bf16_is_faster(caps: CpuCaps, kernels_built: bool, num_params: int | None = 
     docs/benchmarks.md, "The dtype rule").
     - Native bf16 (AVX512-BF16, AMX; ARM BF16 where oneDNN takes it): oneDNN's bf16 is
       faster at every batch size and in prefill.
-    - AVX-512 without BF16: the C++ bf16 kernel decodes faster (half the bytes a token) and
-      prefills somewhat slower; decode is most of a chat's time.
-    - AVX2: the same for large models; a small one is bound by arithmetic, where the
-      kernel's widening costs more than the bytes it saves, and fp32 is faster.
+    - AVX-512 without BF16: bf16 weights widened as they are read decode faster (half the
+      bytes a token) and prefill somewhat slower; decode is most of a chat's time.
+    - AVX2: the same for large models; a small one is bound by arithmetic in batches and
+      prefill, where the widening costs more than the bytes it saves, and fp32 is faster.
     - Only the portable build (ARM without BF16, x86 before AVX2), or no C++ compiler:
       bf16 is slower or unmeasured, and fp32 stays."""
     if caps.native_bf16 and caps.onednn_bf16:

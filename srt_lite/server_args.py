@@ -170,7 +170,7 @@ class ServerArgs:
     disable_weight_packing: bool = _arg(
         False,
         "On a CPU, call plain F.linear instead of weights packed once at load (srt_lite's panel "
-        "layout in bfloat16 and float32, or oneDNN's) or, where oneDNN has no bf16, the C++ bf16 kernel.",
+        "layout in bfloat16 and float32, or oneDNN's) or, on CPUs of the portable build, the C++ bf16 kernel.",
         "Runtime",
     )
     disable_cuda_graph: bool = _arg(

@@ -74,7 +74,7 @@ def cpu_linear_path(dtype: torch.dtype, disable_packing: bool = False, caps: cpu
     """The fastest linear path that runs on this CPU (or `caps`) for `dtype` weights.
     oneDNN's bf16 is fast where the CPU has bf16 instructions; without them oneDNN either
     refuses bf16 (AVX2) or emulates it slowly (AVX-512 without BF16), and torch's own bf16
-    matmul is a reference loop beyond one row. There the C++ bf16 kernel runs, when built
+    matmul is a reference loop beyond one row. There srt_lite's own kernels run, when built
     (docs/benchmarks.md, "The dtype rule", has the figures).
     With AVX512-BF16 but no AMX, srt_lite's panel kernel reads a one-token product's weight
     about twice as fast as oneDNN's packed GEMV and is level with it from a few dozen rows
