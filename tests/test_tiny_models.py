@@ -126,6 +126,23 @@ def test_warmup_runs_prefill_decode_verify_and_a_full_chunk_then_frees_its_kv(tm
     assert runner.token_to_kv_pool.available_size() == free and runner.req_to_token_pool.available_size() == rows
 
 
+def fast_and_plain(path, dtype: str) -> tuple[ModelRunner, ModelRunner]:
+    """Runners of one model in `dtype`: on this CPU's linear path, and on plain F.linear."""
+    fast, plain = (
+        ModelRunner(ModelConfig.load(path), ServerArgs(dtype=dtype, max_total_tokens=512, disable_weight_packing=off))
+        for off in (False, True)
+    )
+    assert fast.linear_path == cpu_linear_path(getattr(torch, dtype)) and plain.linear_path == PATH_TORCH
+    return fast, plain
+
+
+def prefill_and_decode(runner: ModelRunner) -> tuple[torch.Tensor, torch.Tensor]:
+    """Logits of a padded two-prompt prefill (23 tokens) and of the decode step after it."""
+    h = Harness(runner)
+    first = h.prefill([list(range(5, 20)), list(range(30, 38))]).all_logits
+    return first, h.decode([3, 4])
+
+
 @pytest.mark.cpu_caps
 @pytest.mark.parametrize("kind", ["llama", "llama_tied_bias"])
 def test_bf16_cpu_linears_give_the_plain_logits(kind, tmp_path):
@@ -136,13 +153,7 @@ def test_bf16_cpu_linears_give_the_plain_logits(kind, tmp_path):
     padded prefill (23 tokens) and a decode step equal the plain F.linear weights': bit for
     bit when packed (the same oneDNN product), to bf16 rounding through the panels or the
     kernel (fp32 accumulation in another order). A packed untied head keeps no plain copy."""
-    path = make_tiny_model(kind, tmp_path / kind)
-    runners = [
-        ModelRunner(ModelConfig.load(path), ServerArgs(dtype="bfloat16", max_total_tokens=512, disable_weight_packing=off))
-        for off in (False, True)
-    ]
-    fast, plain = runners
-    assert fast.linear_path == cpu_linear_path(torch.bfloat16) and plain.linear_path == PATH_TORCH
+    runners = fast, plain = fast_and_plain(make_tiny_model(kind, tmp_path / kind), "bfloat16")
     head = fast.model.lm_head
     embed = fast.model.model.embed_tokens
     if kind == "llama":  # untied: the input embedding is only looked up, and keeps one plain copy
@@ -159,11 +170,7 @@ def test_bf16_cpu_linears_give_the_plain_logits(kind, tmp_path):
     else:
         assert fast.linear_path == PATH_BF16_KERNEL and head.bf16_kernel and not plain.model.lm_head.bf16_kernel
         assert all(m.bf16_kernel for m in fast.model.modules() if isinstance(m, PackableLinear))
-    out = []
-    for runner in runners:
-        h = Harness(runner)
-        first = h.prefill([list(range(5, 20)), list(range(30, 38))]).all_logits
-        out.append((first, h.decode([3, 4])))
+    out = [prefill_and_decode(runner) for runner in runners]
     assert out[0][0].dtype == torch.float32 and out[0][0].shape[0] == 23
     for a, b in zip(out[0], out[1]):
         if fast.linear_path == PATH_PACKED:
@@ -180,23 +187,13 @@ def test_fp32_cpu_linears_give_the_plain_logits(kind, tmp_path):
     fp32 panel layout, which replaces the plain weights (a tied head's lookup gathers from
     its panels). Logits of a prefill and a decode step agree with plain F.linear's to fp32
     rounding (another summation order), and the greedy tokens are the same."""
-    path = make_tiny_model(kind, tmp_path / kind)
-    runners = [
-        ModelRunner(ModelConfig.load(path), ServerArgs(dtype="float32", max_total_tokens=512, disable_weight_packing=off))
-        for off in (False, True)
-    ]
-    fast, plain = runners
-    assert fast.linear_path == cpu_linear_path(torch.float32) and plain.linear_path == PATH_TORCH
+    runners = fast, plain = fast_and_plain(make_tiny_model(kind, tmp_path / kind), "float32")
     if fast.linear_path != PATH_F32_PANELS:
         pytest.skip("no fp32 panels on this CPU or build")
     linears = [m for m in fast.model.modules() if isinstance(m, PackableLinear)]
     assert linears and all(m.panels is not None and m.weight.numel() == 0 for m in linears)
     assert fast.model.lm_head.panels is not None and fast.model.lm_head.weight.numel() == 0
-    out = []
-    for runner in runners:
-        h = Harness(runner)
-        first = h.prefill([list(range(5, 20)), list(range(30, 38))]).all_logits
-        out.append((first, h.decode([3, 4])))
+    out = [prefill_and_decode(runner) for runner in runners]
     for a, b in zip(out[0], out[1]):
         assert (a - b).abs().max().item() < 1e-4 * max(b.abs().max().item(), 1.0)
         assert torch.equal(a.argmax(-1), b.argmax(-1))
