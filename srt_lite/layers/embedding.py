@@ -71,10 +71,10 @@ class VocabParallelEmbedding(nn.Module):
         self.gemv = bf16_gemv_available()
 
     def use_panels(self, wide: bool = False) -> None:
-        """PATH_PANELS / PATH_F32_PANELS / PATH_WIDE_PANELS: the LM head in srt_lite's panel layout, as the
-        linears. The panels replace the plain weight, and the lookup gathers its rows from
-        them, so a tied embedding holds one copy. bf16's layout pairs K: an odd one keeps
-        F.linear."""
+        """PATH_PANELS / PATH_F32_PANELS / PATH_WIDE_PANELS (`wide`): the LM head in
+        srt_lite's panel layout, as the linears. The panels replace the plain weight, and the
+        lookup gathers its rows from them, so a tied embedding holds one copy. bf16's layout
+        pairs K: an odd one keeps F.linear."""
         if self.lookup_only or self.weight.shape[1] % panel_shape(self.weight.dtype, wide)[1]:
             return
         self.panels = pack_panels(self.weight.data, wide)
