@@ -66,20 +66,22 @@ PINNED = {
     "decode_short_shared_prefix": ([(40, 1)] * 4, 32, [("decode", None, 0)], [("cpp_cascade", None, 0)], None),
     "decode_one_row": ([(30, 1)], 0, [("decode", None, 0)], [("cpp_cascade", None, 0)], None),
     "decode_rows_many_pairs": ([(450, 1)] * 20, 0, [("decode", None, 0)], [("cpp_cascade", None, 0)], None),
-    "fresh_prompt": ([(0, 40)], 0, [("prefill", None, 0)], None, None),
-    "two_prompts": ([(0, 20), (0, 40)], 0, [("extend", None, 0)], None, None),
+    "fresh_prompt": ([(0, 40)], 0, [("prefill", None, 0)], [("cpp_prompt", None, 0)], None),
+    "two_prompts": ([(0, 20), (0, 40)], 0, [("extend", None, 0)], [("cpp_prompt", None, 0)], None),
+    "long_prompts": ([(0, 300), (0, 33), (0, 170)], 0, [("extend", None, 0)], [("cpp_prompt", None, 0)], None),
+    "chunk_after_a_cached_prefix": ([(200, 120)], 0, [("extend", None, 0)], [("cpp_prompt", None, 0)], None),
     "two_short_prompts": ([(0, 5), (0, 9)], 0, [("folded", None, 0)], [("cpp_cascade", None, 0)], None),
     "verify_rows": ([(50, 4), (60, 6)], 0, [("folded", None, 0)], [("cpp_cascade", None, 0)], None),
     "verify_rows_many_pairs": ([(1000, 8)] * 4, 0, [("folded", None, 0)], [("cpp_cascade", None, 0)], None),
     "cached_prefix_extend": ([(40, 30)], 0, [("extend", None, 0)], [("cpp_cascade", None, 0)], None),
     "chunk_and_decode_rows": (
         [(0, 100), (30, 1), (40, 1), (50, 1)], 0, [("decode", _r(100, 103), 0), ("prefill", _r(0, 100), 0)],
-        [("cpp_own_keys", _r(100, 103), 0), ("prefill", _r(0, 100), 0)], None,
+        [("cpp_own_keys", _r(100, 103), 0), ("cpp_prompt", _r(0, 100), 0)], None,
     ),
     "chunk_verify_and_decode_rows": (
         [(0, 100), (30, 1), (40, 5), (50, 1)], 0,
         [("decode", [100, 106], 0), ("folded", _r(101, 106), 0), ("prefill", _r(0, 100), 0)],
-        [("cpp_own_keys", _r(100, 107), 0), ("prefill", _r(0, 100), 0)], None,
+        [("cpp_own_keys", _r(100, 107), 0), ("cpp_prompt", _r(0, 100), 0)], None,
     ),
     "decode_on_shared_prefix_few_own": (
         [(86, 1)] * 8, 80, [("cascade", None, 80)], [("cpp_cascade", None, 80)], [("cascade", None, 80)],
@@ -104,7 +106,8 @@ PINNED = {
     ),
     "shared_prefix_rows_beside_a_prompt": (
         [(80, 1), (80, 4), (80, 9), (0, 100)], 80,
-        [("token_cascade", _r(0, 14), 80), ("prefill", _r(14, 114), 0)], None, None,
+        [("token_cascade", _r(0, 14), 80), ("prefill", _r(14, 114), 0)],
+        [("token_cascade", _r(0, 14), 80), ("cpp_prompt", _r(14, 114), 0)], None,
     ),
     "short_rows_of_every_kind_on_a_short_shared_prefix": (
         [(40, 1), (40, 4), (40, 9)], 40, [("decode", [0], 0), ("folded", _r(1, 14), 0)], [("cpp_cascade", None, 0)],
@@ -144,6 +147,12 @@ def test_rule_without_a_shared_prefix_splits_decode_verify_and_extend_rows():
     assert _choose([40], [0]) == [([0], PlanKind.PREFILL, 0)]
     assert _choose([20, 40], [0, 0]) == [([0, 1], PlanKind.EXTEND, 0)]
     assert _choose([30], [40]) == [([0], PlanKind.EXTEND, 0)]  # cached prefix, long extend
+    # With the C++ ops, prompts and chunks go to the prompt op; rows of up to CASCADE_MAX_Q
+    # tokens to the cascade op on their own keys.
+    assert _choose([40], [0], cpp=True) == [([0], PlanKind.CPP_PROMPT, 0)]
+    assert _choose([20, 40], [0, 0], cpp=True) == [([0, 1], PlanKind.CPP_PROMPT, 0)]
+    assert _choose([33], [400], cpp=True) == [([0], PlanKind.CPP_PROMPT, 0)]
+    assert _choose([30], [40], cpp=True) == [([0], PlanKind.CPP_CASCADE, 0)]
     # Rows of a few tokens are folded, fresh prompts or verify rows alike.
     assert _choose([5, 9], [0, 0]) == [([0, 1], PlanKind.FOLDED, 0)]
     assert _choose([4, 6], [50, 60]) == [([0, 1], PlanKind.FOLDED, 0)]
@@ -182,7 +191,7 @@ def test_rule_uses_the_cpp_op_only_for_a_steps_only_group():
     assert _choose(ext, prefix, shared=80, cpp=False) == [([0, 1, 2, 3], PlanKind.TOKEN_CASCADE, 80)]
     # Beside a fresh prompt the cascade group is one of two: the Python token cascade.
     got = _choose([1, 4, 9, 100], [80, 80, 80, 0], shared=80, cpp=True)
-    assert got == [([0, 1, 2], PlanKind.TOKEN_CASCADE, 80), ([3], PlanKind.PREFILL, 0)]
+    assert got == [([0, 1, 2], PlanKind.TOKEN_CASCADE, 80), ([3], PlanKind.CPP_PROMPT, 0)]
 
 
 def test_rule_mixed_short_rows_without_a_worthwhile_prefix_go_by_kind():
@@ -193,7 +202,7 @@ def test_rule_mixed_short_rows_without_a_worthwhile_prefix_go_by_kind():
     # ...however many their pairs; beside a prompt, the short rows are one group of their own.
     assert _choose([1, 16, 16], [40, 900, 900], shared=40, cpp=True) == [([0, 1, 2], PlanKind.CPP_CASCADE, 0)]
     got = _choose([1, 100], [40, 0], cpp=True)
-    assert got == [([0], PlanKind.CPP_OWN_KEYS, 0), ([1], PlanKind.PREFILL, 0)]
+    assert got == [([0], PlanKind.CPP_OWN_KEYS, 0), ([1], PlanKind.CPP_PROMPT, 0)]
 
 
 def test_rule_cpp_token_cascade_whatever_its_suffixes():
@@ -270,6 +279,8 @@ def test_every_plan_attends_as_plain_attention(cpp):
             got = group.plan.attend(q.index_select(0, tokens), k_buf, v_buf, LAYER)  # out=None: a new tensor
             assert (got - want[tokens]).abs().max().item() < 1e-5, (name, group.plan.kind)
     plain = {PlanKind.DECODE, PlanKind.PREFILL, PlanKind.EXTEND, PlanKind.FOLDED, PlanKind.CASCADE, PlanKind.TOKEN_CASCADE}
-    # With the C++ op every decode and few-token group runs there (alone or beside a prompt chunk).
-    in_cpp = {PlanKind.DECODE, PlanKind.FOLDED, PlanKind.CASCADE}
-    assert kinds == (plain - in_cpp | {PlanKind.CPP_CASCADE, PlanKind.CPP_OWN_KEYS} if cpp else plain)
+    # With the C++ ops every decode and few-token group runs in the cascade op (alone or
+    # beside a prompt chunk), and every prompt group in the prompt op.
+    in_cpp = {PlanKind.DECODE, PlanKind.FOLDED, PlanKind.CASCADE, PlanKind.PREFILL, PlanKind.EXTEND}
+    cpp_kinds = {PlanKind.CPP_CASCADE, PlanKind.CPP_OWN_KEYS, PlanKind.CPP_PROMPT}
+    assert kinds == (plain - in_cpp | cpp_kinds if cpp else plain)

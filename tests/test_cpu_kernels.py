@@ -1,4 +1,5 @@
-"""The C++ CPU ops (srt_lite/csrc/*.cpp): the token cascade matches the torch ops' logits,
+"""The C++ CPU ops (srt_lite/csrc/*.cpp): the token cascade and the prompt attention match
+the torch ops' logits,
 the compiled graph's packed linear gives their result bit for bit, the bf16-weight and
 panel linears match the fp32 product (the fp32 panels batch-invariant), and bad input raises. Built for this CPU's level (cpu_caps);
 `make test` runs this module again with the level capped at AVX2."""
@@ -471,6 +472,135 @@ def test_bad_slots_or_offsets_raise_and_write_nothing(loc, suffix, q_off, k_off,
             torch.empty(2, H * D),
         )
     assert not k_buf.any() and not v_buf.any()
+
+
+# The three ways the prompt op computes: fp32, bf16 widened to fp32, bf16 dot products.
+PROMPT_MODES = [
+    (torch.float32, False),
+    (torch.bfloat16, False),
+    pytest.param(torch.bfloat16, True, marks=pytest.mark.skipif(
+        not cpu_kernels.bf16_dots_available(), reason="bf16 dot products need AVX512-BF16, uncapped")),
+]
+
+
+def _prompt_rows(g, lens, kv_heads, head_dim, dtype, slots=1024):
+    """Rows (new tokens, their key slots) of the given (queries, keys) over a scattered pool."""
+    k_buf = torch.randn(slots, kv_heads, head_dim, generator=g).to(dtype)
+    v_buf = torch.randn(slots, kv_heads, head_dim, generator=g).to(dtype)
+    perm, pos, rows = torch.randperm(slots, generator=g).tolist(), 0, []
+    for nq, nk in lens:
+        rows.append((nq, perm[pos:pos + nk]))
+        pos += nk
+    return k_buf, v_buf, rows
+
+
+def _prompt_op(q, k_buf, v_buf, rows, heads, scale, dots, out=None):
+    t = lambda x: torch.tensor(x, dtype=torch.int64)  # noqa: E731
+    nqs, nks = [nq for nq, _ in rows], [len(sl) for _, sl in rows]
+    out = torch.zeros(sum(nqs), heads * k_buf.shape[2], dtype=q.dtype) if out is None else out
+    torch.ops.srt_lite_cpu.prompt_attention(
+        q, k_buf, v_buf, t([s for _, sl in rows for s in sl]), t([0, *torch.tensor(nqs).cumsum(0).tolist()]),
+        t([0, *torch.tensor(nks).cumsum(0).tolist()]), heads, scale, dots, out,
+    )
+    return out
+
+
+@pytest.mark.parametrize("dtype,dots", PROMPT_MODES)
+@pytest.mark.parametrize("heads,kv_heads,head_dim", [(9, 3, 64), (32, 8, 64), (4, 4, 128), (8, 2, 80), (4, 2, 16), (2, 1, 256)])
+def test_prompt_op_matches_masked_attention(dtype, dots, heads, kv_heads, head_dim):
+    """The prompt op against SDPA over scattered slots: fresh prompts (queries = keys) of odd
+    and even lengths, chunks after a cached prefix, a one-token row; GQA groups of 1-4 and
+    head sizes that are and are not a multiple of the kernels' four vectors. bf16 computes
+    in fp32 from bf16 inputs (dots=False) or in bf16 dot products (dots=True)."""
+    g = torch.Generator().manual_seed(heads * head_dim)
+    k_buf, v_buf, rows = _prompt_rows(g, [(37, 37), (5, 70), (1, 1), (130, 200), (64, 64)], kv_heads, head_dim, dtype)
+    q = torch.randn(sum(nq for nq, _ in rows) + 2, heads * head_dim, generator=g).to(dtype)
+    scale = head_dim ** -0.5
+    out = torch.full((q.shape[0], heads * head_dim), 7.0, dtype=dtype)  # two rows past T pad the token axis
+    _prompt_op(q, k_buf, v_buf, rows, heads, scale, dots, out)
+    T = q.shape[0] - 2
+    ref = _masked_reference(q[:T], k_buf, v_buf, rows, [], heads, scale)
+    err = ((out[:T].float() - ref).abs().max() / ref.abs().max()).item()
+    assert err < (1e-2 if dtype == torch.bfloat16 else 1e-5), err
+    assert (out[T:] == 7).all()  # rows past the queries are left as they are
+
+
+@pytest.mark.parametrize("dtype,dots", PROMPT_MODES)
+def test_prompt_op_gives_a_row_the_same_result_alone_or_in_a_batch(dtype, dots):
+    """A row's tiles depend only on the row: its output is the same bit for bit whatever
+    else the step holds, so batching prompts cannot change a greedy answer."""
+    g = torch.Generator().manual_seed(1)
+    heads, kv_heads, D = 9, 3, 64
+    k_buf, v_buf, rows = _prompt_rows(g, [(90, 90), (40, 300), (7, 7), (33, 33)], kv_heads, D, dtype)
+    q = torch.randn(sum(nq for nq, _ in rows), heads * D, generator=g).to(dtype)
+    together = _prompt_op(q, k_buf, v_buf, rows, heads, 0.125, dots)
+    t0 = 0
+    for nq, sl in rows:
+        alone = _prompt_op(q[t0:t0 + nq], k_buf, v_buf, [(nq, sl)], heads, 0.125, dots)
+        assert torch.equal(alone, together[t0:t0 + nq])
+        t0 += nq
+
+
+@pytest.mark.parametrize(
+    "slots,q_off,k_off,error",
+    [
+        ([3, 16], [0, 1, 2], [0, 1, 2], "out of range"),  # 16 is past the pool's end
+        ([3, 4], [0, 2, 2], [0, 1, 2], "queries over"),  # a row with more queries than keys
+        ([3, 4], [0, 1, 2], [0, 1, 3], "span"),  # offsets past the slots
+        ([3, 4, 5, 6], [0, 1, 4], [0, 1, 4], "q and out"),  # more queries than q holds
+    ],
+)
+def test_prompt_op_rejects_bad_slots_or_offsets(slots, q_off, k_off, error):
+    Hkv, D, H = 2, 16, 4
+    k_buf, v_buf = torch.zeros(16, Hkv, D), torch.zeros(16, Hkv, D)
+    out = torch.zeros(2, H * D)
+    t = lambda x: torch.tensor(x, dtype=torch.int64)  # noqa: E731
+    with pytest.raises(RuntimeError, match=error):
+        torch.ops.srt_lite_cpu.prompt_attention(torch.randn(2, H * D), k_buf, v_buf, t(slots), t(q_off), t(k_off), H, 0.3, False, out)
+    assert not out.any()
+    with pytest.raises(RuntimeError, match="bf16 or fp32"):
+        torch.ops.srt_lite_cpu.prompt_attention(
+            torch.randn(2, H * D).half(), k_buf, v_buf, t([3, 4]), t([0, 1, 2]), t([0, 1, 2]), H, 0.3, False, out)
+    if not cpu_kernels.bf16_dots_available() and not torch.ops.srt_lite_cpu.bf16_gemv_supported():
+        with pytest.raises(RuntimeError, match="AVX512-BF16"):
+            bf = k_buf.bfloat16()
+            torch.ops.srt_lite_cpu.prompt_attention(
+                torch.randn(2, H * D).bfloat16(), bf, bf, t([3, 4]), t([0, 1, 2]), t([0, 1, 2]), H, 0.3, True,
+                out.bfloat16())
+
+
+@pytest.mark.parametrize("dtype", ["bfloat16", "float32"])
+def test_prompts_and_chunks_take_the_prompt_op_with_the_torch_ops_logits(tmp_path, dtype):
+    """Prompts of several lengths in one step, then a chunk of each after its cached part:
+    with the C++ ops every such step is one CPP_PROMPT group, and its logits (every
+    position's) agree with the torch ops' (padded SDPA under a mask)."""
+    path = make_tiny_model("llama", tmp_path / "llama")
+    runner = ModelRunner(ModelConfig.load(path), ServerArgs(dtype=dtype, max_total_tokens=4096))
+    fragment_free_list(runner, seed=3)
+    backend = runner.attn_backend
+    seen = []
+    original = backend.init_forward_metadata
+    backend.init_forward_metadata = lambda fb: original(fb) or seen.append(fb.attn_metadata)
+    g = torch.Generator().manual_seed(7)
+    prompts = [torch.randint(3, 320, (n,), generator=g).tolist() for n in (130, 50, 33, 90)]
+    chunks = [torch.randint(3, 320, (n,), generator=g).tolist() for n in (40, 70, 33, 100)]
+
+    def run(cpp: bool) -> list[torch.Tensor]:
+        backend.cpu_kernels = cpp
+        seen.clear()
+        h = Harness(runner)
+        out = [h.prefill(prompts).all_logits]
+        out.append(h.extend(h.rows, list(h.lens), chunks, all_logits=True).all_logits)
+        kinds = {grp.plan.kind for step in seen for grp in step.groups}
+        assert kinds == ({PlanKind.CPP_PROMPT} if cpp else {PlanKind.EXTEND})
+        return out
+
+    torch_ops, cpp = run(False), run(True)
+    for a, b in zip(torch_ops, cpp):
+        err = ((a - b).abs().max() / a.abs().max()).item()
+        assert err < (2e-2 if dtype == "bfloat16" else 1e-5), err
+        if dtype == "float32":
+            assert torch.equal(a.argmax(-1), b.argmax(-1))
 
 
 def test_disabled_by_environment():

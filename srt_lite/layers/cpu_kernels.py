@@ -1,16 +1,17 @@
 """The C++ CPU ops (srt_lite/csrc/*.cpp), built on first use.
 
 torch.utils.cpp_extension compiles them with the machine's C++ compiler (the one inductor's
-C++ wrapper uses) into the srt_lite cache, once per machine and torch version,
-and registers `torch.ops.srt_lite_cpu.*`: the attention backend's cascade step, the
-compiled graph's packed linear, the bf16-weight linear for CPUs without fast oneDNN bf16,
-and a decoder layer's elementwise ops (RMSNorm, RoPE, SiLU-and-mul).
+C++ wrapper uses) into the srt_lite cache, once per machine and torch version, and
+registers `torch.ops.srt_lite_cpu.*`: the attention backend's cascade step and prompt
+attention, the compiled graph's packed linear, the linears' panel products, and a decoder
+layer's elementwise ops (RMSNorm, RoPE, SiLU-and-mul).
 Without a compiler, or with SRT_LITE_DISABLE_CPU_KERNELS=1, `load()` returns False and the
 callers keep their torch ops.
 """
 
 from __future__ import annotations
 
+import functools
 import logging
 import os
 import time
@@ -24,7 +25,7 @@ from srt_lite.utils import cache_root
 logger = logging.getLogger(__name__)
 
 _CSRC = os.path.join(os.path.dirname(os.path.dirname(__file__)), "csrc")
-SOURCES = [os.path.join(_CSRC, name) for name in ("cpu_attention.cpp", "cpu_linear.cpp", "cpu_norm_rope.cpp")]
+SOURCES = [os.path.join(_CSRC, name) for name in ("cpu_attention.cpp", "cpu_prompt_attention.cpp", "cpu_linear.cpp", "cpu_norm_rope.cpp")]
 _loaded: bool | None = None
 # Compiler flags by CPU level (srt_lite.cpu_caps), so at::vec in the sources gets the vector
 # width ATen's own kernels use on this CPU (as ATen builds its AVX2 and AVX-512 kernels).
@@ -71,6 +72,13 @@ def _build() -> bool:
         return False
     logger.info("C++ CPU kernels (%s) loaded in %.1f s", level, time.perf_counter() - t0)
     return True
+
+
+@functools.cache
+def bf16_dots_available() -> bool:
+    """Whether the ops' AVX512-BF16 dot products run here: in the CPU (not capped by
+    SRT_LITE_CPU_CAPS) and in this build of the ops (checked by the op itself)."""
+    return cpu_caps.get().avx512_bf16 and load() and torch.ops.srt_lite_cpu.bf16_gemv_supported()
 
 
 def build_tag() -> str:

@@ -118,7 +118,7 @@ def bf16_gemv_available() -> bool:
     """Whether srt_lite_cpu::bf16_gemv runs here: AVX512-BF16 in the CPU (not capped by
     SRT_LITE_CPU_CAPS) and in the build. One token's product with a plain bf16 weight reads
     it faster than oneDNN's prepacked GEMV (docs/benchmarks.md, "One-token GEMV")."""
-    return cpu_caps.get().avx512_bf16 and panels_built()
+    return cpu_kernels.bf16_dots_available()
 
 
 # Output rows of one panel of pack_panels' layout (kPanelRows and kF32PanelRows in

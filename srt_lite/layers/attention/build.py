@@ -9,9 +9,12 @@ from typing import TYPE_CHECKING
 
 import torch
 
+from srt_lite.layers import cpu_kernels
 from srt_lite.layers.attention.cascade import CascadePlan, SharedPrefix, TokenCascadePlan
 from srt_lite.layers.attention.choose import GroupChoice, PlanKind
-from srt_lite.layers.attention.plans import CppOwnKeysPlan, DecodePlan, ExtendPlan, FoldedPlan, Plan, PrefillPlan, QueryLayout
+from srt_lite.layers.attention.plans import (
+    CppOwnKeysPlan, CppPromptPlan, DecodePlan, ExtendPlan, FoldedPlan, Plan, PrefillPlan, QueryLayout,
+)
 from srt_lite.layers.attention.sdpa import additive
 from srt_lite.layers.attention.steps import CppCascadePlan, GroupedStep, PlanGroup, StepPlan
 
@@ -80,15 +83,15 @@ def build_plan(fb: "ForwardBatch", choice: GroupChoice, slots: RowSlots, heads_p
         return DecodePlan(kv_index, bias)
     if kind is PlanKind.PREFILL:
         return PrefillPlan(kv_index)
-    if kind is PlanKind.CPP_OWN_KEYS:
+    if kind in (PlanKind.CPP_OWN_KEYS, PlanKind.CPP_PROMPT):
         seq_lens = [p + e for p, e in zip(prefix, ext)]
+        row_slots = kv_index[key_valid]  # [S] every row's slots, row after row
+        q_offsets = torch.tensor([0, *itertools.accumulate(ext)], dtype=torch.int64)  # [B + 1], host
+        k_offsets = torch.tensor([0, *itertools.accumulate(seq_lens)], dtype=torch.int64)
+        if kind is PlanKind.CPP_PROMPT:
+            return CppPromptPlan(row_slots, q_offsets, k_offsets, dtype == torch.bfloat16 and cpu_kernels.bf16_dots_available())
         new = torch.arange(kv_index.shape[1], device=device)[None, :] >= torch.tensor(prefix, device=device)[:, None]
-        return CppOwnKeysPlan(
-            kv_index[key_valid & new],  # [Tg] the rows' new slots, row after row
-            kv_index[key_valid],  # [S]
-            torch.tensor([0, *itertools.accumulate(ext)], dtype=torch.int64),  # [B + 1], host
-            torch.tensor([0, *itertools.accumulate(seq_lens)], dtype=torch.int64),
-        )
+        return CppOwnKeysPlan(kv_index[key_valid & new], row_slots, q_offsets, k_offsets)  # loc: [Tg] the new slots
     if kind is PlanKind.TOKEN_CASCADE:
         mask, suffix_index = _token_cascade_mask(kv_index, key_valid, shared, ext, prefix)
         bias = additive(mask[None, None], dtype).repeat_interleave(G, dim=2)  # [1, 1, Tg * G, S]

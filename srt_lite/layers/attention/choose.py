@@ -42,6 +42,7 @@ class PlanKind(Enum):
     TOKEN_CASCADE = "token_cascade"  # a cascade whose suffixes are one masked sequence
     CPP_CASCADE = "cpp_cascade"  # the token cascade in one C++ op per layer
     CPP_OWN_KEYS = "cpp_own_keys"  # one group of a larger step, rows on their own keys in the C++ op
+    CPP_PROMPT = "cpp_prompt"  # prompts or chunks (EXTEND, PREFILL rows) on their own keys in the C++ prompt op
 
 
 @dataclass(frozen=True)
@@ -52,8 +53,9 @@ class GroupChoice:
 
 
 def cpp_cascade_ok(kernels_loaded: bool, dtype: torch.dtype, head_dim: int) -> bool:
-    """Whether the C++ cascade op can run this step: built, in a dtype it computes, and a
-    head size its vector loops take (a multiple of the widest vector, 16 floats, up to 256)."""
+    """Whether the C++ cascade and prompt ops can run this step: built, in a dtype they
+    compute, and a head size their vector loops take (a multiple of the widest vector, 16
+    floats, up to 256)."""
     return kernels_loaded and dtype in CPP_DTYPES and head_dim % 16 == 0 and head_dim <= 256
 
 
@@ -122,8 +124,9 @@ def choose_plan(
 ) -> list[GroupChoice]:
     """The step's groups and the plan of each, for rows with `ext` new tokens after `prefix`
     tokens of KV. shared_prefix(rows): how many KV slots those rows (ascending, at least
-    two) have in common at their start, at most their shortest prefix. cpp: the C++ op can
-    run (cpp_cascade_ok); it is used for a token cascade that is the step's only group."""
+    two) have in common at their start, at most their shortest prefix. cpp: the C++ ops can
+    run (cpp_cascade_ok): the cascade op then takes a token cascade that is the step's only
+    group and the short rows beside other groups, the prompt op every group of prompts."""
     B = len(ext)
 
     def choose(rows: list[int], cpp_: bool, cascade_only: bool = False) -> GroupChoice | None:
@@ -150,6 +153,11 @@ def choose_plan(
         # Python plan per kind.
         return [GroupChoice(list(range(B)), PlanKind.CPP_CASCADE, 0)]
     chosen = groups + [choose(rows, cpp and alone) for rows in by_kind]
+    if cpp:
+        # Prompts and chunks: the C++ prompt op computes each row's own causal pairs, several
+        # times faster than the flash kernel on one prompt and without a batch's padded pairs.
+        prompts = (PlanKind.EXTEND, PlanKind.PREFILL)
+        chosen = [GroupChoice(c.rows, PlanKind.CPP_PROMPT, 0) if c.kind in prompts else c for c in chosen]
     if cpp and not alone:
         # Beside a prompt chunk, the decode and few-token rows still run in C++, as one group.
         def own(rows: list[int]) -> bool:

@@ -209,3 +209,23 @@ class CppOwnKeysPlan(Plan):
         )
         return dst
 
+
+
+@dataclass(frozen=True, eq=False)
+class CppPromptPlan(Plan):
+    """Prompts or chunks of them (maybe after a cached prefix), each row's queries on its own
+    keys up to their positions, in the C++ prompt op (csrc/cpu_prompt_attention.cpp): no
+    padding, no mask, only the causal pairs. The step has stored its KV already."""
+
+    kind: ClassVar[PlanKind] = PlanKind.CPP_PROMPT
+    slots: torch.Tensor  # [S] int64: every row's key slots, row after row
+    q_offsets: torch.Tensor  # [B + 1] int64 on the host: where each row's queries start
+    k_offsets: torch.Tensor  # [B + 1] int64 on the host: where each row's keys start in slots
+    bf16_dot: bool  # a bf16 pool on a CPU with AVX512-BF16: the op's bf16 dot products
+
+    def attend(self, q, k_buf, v_buf, layer, out=None):
+        dst = q.new_empty(q.shape[0], layer.num_heads * layer.head_dim) if out is None else out  # [Tg, H * D]
+        torch.ops.srt_lite_cpu.prompt_attention(
+            q, k_buf, v_buf, self.slots, self.q_offsets, self.k_offsets, layer.num_heads, layer.scaling, self.bf16_dot, dst,
+        )
+        return dst
