@@ -17,6 +17,7 @@ from srt_lite.layers.attention.choose import (
     PlanKind,
     choose_group,
     choose_plan,
+    prompt_rows_in_flash,
 )
 from srt_lite.mem_cache.memory_pool import ReqToTokenPool, TokenToKVPool
 from srt_lite.model_executor.forward_batch import ForwardBatch
@@ -116,30 +117,45 @@ PINNED = {
 }
 
 
+# With AMX, bf16 prompts and chunks take the flash kernel, one group per row (with or without
+# the C++ ops); fp32 and the steps without prompts stay as in PINNED.
+PINNED_AMX_BF16 = {
+    "fresh_prompt": [("prefill", None, 0)],
+    "two_prompts": [("prefill", _r(0, 20), 0), ("prefill", _r(20, 60), 0)],
+    "long_prompts": [("prefill", _r(0, 300), 0), ("prefill", _r(300, 333), 0), ("prefill", _r(333, 503), 0)],
+    "chunk_after_a_cached_prefix": [("extend", None, 0)],
+    "chunk_and_decode_rows": [("cpp_own_keys", _r(100, 103), 0), ("prefill", _r(0, 100), 0)],
+    "chunk_verify_and_decode_rows": [("cpp_own_keys", _r(100, 107), 0), ("prefill", _r(0, 100), 0)],
+    "shared_prefix_rows_beside_a_prompt": [("token_cascade", _r(0, 14), 80), ("prefill", _r(14, 114), 0)],
+}
+
+
 @pytest.mark.parametrize("name", list(PINNED))
 def test_plan_choices_are_pinned(name):
     rows, shared, plain, cpp, cpp_fp16 = PINNED[name]
     backend = tnb.TorchNativeAttnBackend("cpu", num_heads=4, use_cpu_kernels=False)
-    for use_cpp, dtype, want in (
-        (False, torch.float32, plain),
-        (True, torch.float32, cpp or plain),
-        (True, torch.bfloat16, cpp or plain),
-        (True, torch.float16, cpp_fp16 or plain),
+    for use_cpp, amx, dtype, want in (
+        (False, False, torch.float32, plain),
+        (True, False, torch.float32, cpp or plain),
+        (True, False, torch.bfloat16, cpp or plain),
+        (True, False, torch.float16, cpp_fp16 or plain),
+        (True, True, torch.float32, cpp or plain),
+        (True, True, torch.bfloat16, PINNED_AMX_BF16.get(name, cpp or plain)),
     ):
-        backend.cpu_kernels = use_cpp
-        assert describe(backend, make_batch(rows, shared, dtype)) == want, (use_cpp, dtype)
+        backend.cpu_kernels, backend.amx = use_cpp, amx
+        assert describe(backend, make_batch(rows, shared, dtype)) == want, (use_cpp, amx, dtype)
 
 
 # ---- the cost rule alone ------------------------------------------------------------------
 
 
-def _choose(ext, prefix, shared=0, cpp=False, asked=None):
+def _choose(ext, prefix, shared=0, cpp=False, asked=None, flash_rows=False):
     def shared_prefix(rows):
         if asked is not None:
             asked.append(rows)
         return min(shared, *(prefix[b] for b in rows))
 
-    return [(c.rows, c.kind, c.shared) for c in choose_plan(ext, prefix, shared_prefix, cpp)]
+    return [(c.rows, c.kind, c.shared) for c in choose_plan(ext, prefix, shared_prefix, cpp, flash_rows)]
 
 
 def test_rule_without_a_shared_prefix_splits_decode_verify_and_extend_rows():
@@ -160,6 +176,21 @@ def test_rule_without_a_shared_prefix_splits_decode_verify_and_extend_rows():
     assert _choose([100, 1, 5, 1], [0, 30, 40, 50]) == [
         ([1, 3], PlanKind.DECODE, 0), ([2], PlanKind.FOLDED, 0), ([0], PlanKind.PREFILL, 0),
     ]
+
+
+def test_rule_with_flash_rows_gives_each_prompt_its_own_flash_call():
+    assert prompt_rows_in_flash(torch.bfloat16, amx=True)
+    assert not prompt_rows_in_flash(torch.float32, amx=True) and not prompt_rows_in_flash(torch.bfloat16, amx=False)
+    for cpp in (False, True):
+        # Fresh prompts are causal from their first key; a chunk after its cached part keeps a mask.
+        got = _choose([40, 300, 33], [0, 0, 200], cpp=cpp, flash_rows=True)
+        assert got == [([0], PlanKind.PREFILL, 0), ([1], PlanKind.PREFILL, 0), ([2], PlanKind.EXTEND, 0)]
+        # Rows of a few tokens and decode rows beside a prompt: as without flash_rows.
+        assert _choose([5, 9], [0, 0], cpp=cpp, flash_rows=True) == _choose([5, 9], [0, 0], cpp=cpp)
+    got = _choose([100, 1, 1], [0, 30, 40], cpp=True, flash_rows=True)
+    assert got == [([1, 2], PlanKind.CPP_OWN_KEYS, 0), ([0], PlanKind.PREFILL, 0)]
+    got = _choose([100, 1, 1], [0, 30, 40], flash_rows=True)
+    assert got == [([1, 2], PlanKind.DECODE, 0), ([0], PlanKind.PREFILL, 0)]
 
 
 def test_rule_looks_up_shared_slots_only_for_groups_that_could_cascade():
@@ -248,27 +279,30 @@ def _reference(fb: ForwardBatch, q: torch.Tensor) -> torch.Tensor:
     return torch.cat(out)
 
 
-@pytest.mark.parametrize("cpp", [False, True])
-def test_every_plan_attends_as_plain_attention(cpp):
+@pytest.mark.parametrize("cpp,amx", [(False, False), (True, False), (False, True), (True, True)])
+def test_every_plan_attends_as_plain_attention(cpp, amx):
+    """Every pinned step through the backend and each of its plans alone, against plain
+    attention: fp32, or bf16 where AMX changes the prompts' plans."""
     if cpp and not cpu_kernels.load():
         pytest.skip("C++ CPU ops not built")
     backend = tnb.TorchNativeAttnBackend("cpu", num_heads=LAYER.num_heads, use_cpu_kernels=False)
-    backend.cpu_kernels = cpp
+    backend.cpu_kernels, backend.amx = cpp, amx
+    dtype, tol = (torch.bfloat16, 3e-2) if amx else (torch.float32, 1e-5)
     g = torch.Generator().manual_seed(0)
     kinds = set()
     for name, (rows, shared, *_) in PINNED.items():
-        fb = make_batch(rows, shared)
+        fb = make_batch(rows, shared, dtype)
         pool = fb.token_to_kv_pool
         for buf in (pool.k_buffer[0], pool.v_buffer[0]):
             buf[1:].copy_(torch.randn(buf[1:].shape, generator=g))
         T, H, D = fb.num_tokens, LAYER.num_heads, LAYER.head_dim
         pad = 3  # rows past T pad the token axis: no KV, zero output
-        q = torch.randn(T + pad, H * D, generator=g)
-        k, v = (torch.randn(T + pad, HKV * D, generator=g) for _ in range(2))
+        q = torch.randn(T + pad, H * D, generator=g).to(dtype)
+        k, v = (torch.randn(T + pad, HKV * D, generator=g).to(dtype) for _ in range(2))
         backend.init_forward_metadata(fb)
         out = backend.forward(q, k, v, LAYER, fb)  # stores k, v at the step's slots
         want = _reference(fb, q[:T])
-        assert (out[:T] - want).abs().max().item() < 1e-5, name
+        assert (out[:T] - want).abs().max().item() < tol, name
         assert not out[T:].any(), name
         k_buf, v_buf = pool.k_buffer[0], pool.v_buffer[0]
         for group in fb.attn_metadata.groups:
@@ -277,10 +311,12 @@ def test_every_plan_attends_as_plain_attention(cpp):
                 continue  # runs a whole step (above)
             tokens = torch.arange(T) if group.tokens is None else group.tokens
             got = group.plan.attend(q.index_select(0, tokens), k_buf, v_buf, LAYER)  # out=None: a new tensor
-            assert (got - want[tokens]).abs().max().item() < 1e-5, (name, group.plan.kind)
+            assert (got - want[tokens]).abs().max().item() < tol, (name, group.plan.kind)
     plain = {PlanKind.DECODE, PlanKind.PREFILL, PlanKind.EXTEND, PlanKind.FOLDED, PlanKind.CASCADE, PlanKind.TOKEN_CASCADE}
     # With the C++ ops every decode and few-token group runs in the cascade op (alone or
     # beside a prompt chunk), and every prompt group in the prompt op.
     in_cpp = {PlanKind.DECODE, PlanKind.FOLDED, PlanKind.CASCADE, PlanKind.PREFILL, PlanKind.EXTEND}
     cpp_kinds = {PlanKind.CPP_CASCADE, PlanKind.CPP_OWN_KEYS, PlanKind.CPP_PROMPT}
+    if amx:  # bf16 prompts in the flash kernel instead of the prompt op
+        in_cpp, cpp_kinds = in_cpp - {PlanKind.PREFILL, PlanKind.EXTEND}, cpp_kinds - {PlanKind.CPP_PROMPT}
     assert kinds == (plain - in_cpp | cpp_kinds if cpp else plain)

@@ -119,14 +119,25 @@ def row_kind(ext: int, prefix: int) -> RowKind:
     return RowKind.VERIFY if ext <= VERIFY_MAX_Q and prefix > 0 else RowKind.EXTEND
 
 
+def prompt_rows_in_flash(dtype: torch.dtype, amx: bool) -> bool:
+    """Whether prompts and chunks take torch's flash kernel one row at a time rather than
+    the C++ prompt op: bf16 on a CPU with AMX, where the flash kernel's products run on AMX
+    tiles, which the op lacks (it has AVX-512 dot products), and beat it on any one row;
+    the op still beats a padded batch there, one flash call per row does not pad."""
+    return amx and dtype == torch.bfloat16
+
+
 def choose_plan(
-    ext: list[int], prefix: list[int], shared_prefix: Callable[[list[int]], int], cpp: bool
+    ext: list[int], prefix: list[int], shared_prefix: Callable[[list[int]], int], cpp: bool,
+    flash_rows: bool = False,
 ) -> list[GroupChoice]:
     """The step's groups and the plan of each, for rows with `ext` new tokens after `prefix`
     tokens of KV. shared_prefix(rows): how many KV slots those rows (ascending, at least
     two) have in common at their start, at most their shortest prefix. cpp: the C++ ops can
     run (cpp_cascade_ok): the cascade op then takes a token cascade that is the step's only
-    group and the short rows beside other groups, the prompt op every group of prompts."""
+    group and the short rows beside other groups, the prompt op every group of prompts.
+    flash_rows (prompt_rows_in_flash): prompts and chunks instead take torch's flash kernel,
+    one group per row."""
     B = len(ext)
 
     def choose(rows: list[int], cpp_: bool, cascade_only: bool = False) -> GroupChoice | None:
@@ -153,10 +164,21 @@ def choose_plan(
         # Python plan per kind.
         return [GroupChoice(list(range(B)), PlanKind.CPP_CASCADE, 0)]
     chosen = groups + [choose(rows, cpp and alone) for rows in by_kind]
-    if cpp:
+    prompts = (PlanKind.EXTEND, PlanKind.PREFILL)
+    if flash_rows:
+        # One flash call per row computes no padded pairs; a row with a cached prefix keeps
+        # its mask (the flash kernel's causal flag assumes queries and keys start together).
+        split: list[GroupChoice] = []
+        for c in chosen:
+            if c.kind in prompts:
+                split += [GroupChoice([b], PlanKind.EXTEND if prefix[b] else PlanKind.PREFILL, 0) for b in c.rows]
+            else:
+                split.append(c)
+        chosen = split
+    elif cpp:
         # Prompts and chunks: the C++ prompt op computes each row's own causal pairs, several
-        # times faster than the flash kernel on one prompt and without a batch's padded pairs.
-        prompts = (PlanKind.EXTEND, PlanKind.PREFILL)
+        # times faster than the flash kernel on one prompt (without AMX) and without a batch's
+        # padded pairs.
         chosen = [GroupChoice(c.rows, PlanKind.CPP_PROMPT, 0) if c.kind in prompts else c for c in chosen]
     if cpp and not alone:
         # Beside a prompt chunk, the decode and few-token rows still run in C++, as one group.

@@ -14,10 +14,11 @@ from typing import TYPE_CHECKING
 
 import torch
 
+from srt_lite import cpu_caps
 from srt_lite.layers import cpu_kernels
 from srt_lite.layers.attention.base import AttentionBackend
 from srt_lite.layers.attention.build import RowSlots, build_step
-from srt_lite.layers.attention.choose import choose_plan, cpp_cascade_ok
+from srt_lite.layers.attention.choose import choose_plan, cpp_cascade_ok, prompt_rows_in_flash
 from srt_lite.layers.attention.steps import StepPlan
 
 if TYPE_CHECKING:
@@ -36,6 +37,8 @@ class TorchNativeAttnBackend(AttentionBackend):
         # The C++ token-cascade op: one call a layer instead of the Python plan's dozens of
         # op calls, with each row's suffix attended exactly instead of one masked sequence.
         self.cpu_kernels = use_cpu_kernels and device == "cpu" and cpu_kernels.load()
+        # AMX: torch's flash kernel then runs bf16 prompts faster than the C++ prompt op.
+        self.amx = device == "cpu" and cpu_caps.get().amx_bf16
 
     @property
     def has_cpp_graph_op(self) -> bool:
@@ -48,6 +51,7 @@ class TorchNativeAttnBackend(AttentionBackend):
         choices = choose_plan(
             fb.extend_seq_lens_cpu, fb.extend_prefix_lens_cpu, slots.shared_prefix,
             cpp=cpp_cascade_ok(self.cpu_kernels, pool.dtype, head_dim),
+            flash_rows=prompt_rows_in_flash(pool.dtype, self.amx),
         )
         fb.attn_metadata = build_step(fb, choices, slots, self.num_heads // num_kv_heads)
 
