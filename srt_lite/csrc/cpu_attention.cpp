@@ -121,6 +121,16 @@ inline Vec load_vec(const c10::BFloat16* p) {
 // accumulators plus the loaded vectors fit AVX-512's 32 registers.
 constexpr int64_t kQRows = 4;
 constexpr int64_t kVChunk = 4;  // head-dim vectors of V accumulated at once
+// Keys ahead whose K or V lines are prefetched: a row's slots are scattered through the
+// pool, so the hardware prefetcher cannot see the next key coming, and a decode step's
+// keys come from memory, not cache.
+constexpr int64_t kPrefetchKeys = 16;
+
+// Asks for the `bytes` at p (one key's head) ahead of their use.
+inline void prefetch_head(const void* p, int64_t bytes) {
+  const char* c = static_cast<const char*>(p);
+  for (int64_t off = 0; off < bytes; off += 64) __builtin_prefetch(c + off, 0, 3);
+}
 
 // acc[r][0..NV*W) += sum_j p[r][j] * v_j[0..NV*W) over keys j < n for QR queries, with V read
 // straight from the pool (widened in registers, no copy).
@@ -134,6 +144,7 @@ void value_chunk(const T* vb, const int64_t* slots, int64_t row_stride, int64_t 
   }
   for (int64_t j = 0; j < n; ++j) {
     const T* vj = vb + slots[j] * row_stride;
+    if (j + kPrefetchKeys < n) prefetch_head(vb + slots[j + kPrefetchKeys] * row_stride, NV * W * sizeof(T));
     Vec v[NV];
     for (int64_t c = 0; c < NV; ++c) v[c] = load_vec(vj + c * W);
     for (int64_t r = 0; r < QR; ++r) {
@@ -161,6 +172,7 @@ void attend_queries(const float* const* qf, const int64_t* n, const T* kb, const
   for (int64_t r = 0; r < QR; ++r) nmax = std::max(nmax, n[r]);
   for (int64_t j = 0; j < nmax; ++j) {
     const T* kj = kb + slots[j] * row_stride;
+    if (j + kPrefetchKeys < nmax) prefetch_head(kb + slots[j + kPrefetchKeys] * row_stride, D * sizeof(T));
     Vec a[QR];
     for (int64_t r = 0; r < QR; ++r) a[r] = Vec(0.f);
     for (int64_t d = 0; d < D; d += W) {
