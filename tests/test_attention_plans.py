@@ -14,6 +14,7 @@ from srt_lite.layers import cpu_kernels
 from srt_lite.layers.attention import torch_native_backend as tnb
 from srt_lite.layers.attention.choose import (
     CASCADE_MIN_PREFIX,
+    FLASH_ROW_MIN_Q,
     PlanKind,
     choose_group,
     choose_plan,
@@ -117,12 +118,11 @@ PINNED = {
 }
 
 
-# With AMX, bf16 prompts and chunks take the flash kernel, one group per row (with or without
-# the C++ ops); fp32 and the steps without prompts stay as in PINNED.
+# With AMX, bf16 chunks after a cached prefix and prompts of FLASH_ROW_MIN_Q tokens or more
+# take the flash kernel, one group per row (with or without the C++ ops); shorter prompts,
+# fp32 and the steps without prompts stay as in PINNED.
 PINNED_AMX_BF16 = {
-    "fresh_prompt": [("prefill", None, 0)],
-    "two_prompts": [("prefill", _r(0, 20), 0), ("prefill", _r(20, 60), 0)],
-    "long_prompts": [("prefill", _r(0, 300), 0), ("prefill", _r(300, 333), 0), ("prefill", _r(333, 503), 0)],
+    "long_prompts": [("cpp_prompt", _r(300, 333), 0), ("prefill", _r(0, 300), 0), ("prefill", _r(333, 503), 0)],
     "chunk_after_a_cached_prefix": [("extend", None, 0)],
     "chunk_and_decode_rows": [("cpp_own_keys", _r(100, 103), 0), ("prefill", _r(0, 100), 0)],
     "chunk_verify_and_decode_rows": [("cpp_own_keys", _r(100, 107), 0), ("prefill", _r(0, 100), 0)],
@@ -181,10 +181,15 @@ def test_rule_without_a_shared_prefix_splits_decode_verify_and_extend_rows():
 def test_rule_with_flash_rows_gives_each_prompt_its_own_flash_call():
     assert prompt_rows_in_flash(torch.bfloat16, amx=True)
     assert not prompt_rows_in_flash(torch.float32, amx=True) and not prompt_rows_in_flash(torch.bfloat16, amx=False)
-    for cpp in (False, True):
-        # Fresh prompts are causal from their first key; a chunk after its cached part keeps a mask.
-        got = _choose([40, 300, 33], [0, 0, 200], cpp=cpp, flash_rows=True)
-        assert got == [([0], PlanKind.PREFILL, 0), ([1], PlanKind.PREFILL, 0), ([2], PlanKind.EXTEND, 0)]
+    for cpp, short in ((False, PlanKind.EXTEND), (True, PlanKind.CPP_PROMPT)):
+        # Long fresh prompts are causal from their first key; a chunk after its cached part
+        # keeps a mask; the short prompts stay one group.
+        got = _choose([40, 300, 33, 50, FLASH_ROW_MIN_Q], [0, 0, 200, 0, 0], cpp=cpp, flash_rows=True)
+        assert got == [
+            ([0, 3], short, 0), ([1], PlanKind.PREFILL, 0), ([2], PlanKind.EXTEND, 0), ([4], PlanKind.PREFILL, 0),
+        ]
+        alone = PlanKind.PREFILL if not cpp else PlanKind.CPP_PROMPT
+        assert _choose([40, 300], [0, 0], cpp=cpp, flash_rows=True) == [([0], alone, 0), ([1], PlanKind.PREFILL, 0)]
         # Rows of a few tokens and decode rows beside a prompt: as without flash_rows.
         assert _choose([5, 9], [0, 0], cpp=cpp, flash_rows=True) == _choose([5, 9], [0, 0], cpp=cpp)
     got = _choose([100, 1, 1], [0, 30, 40], cpp=True, flash_rows=True)
@@ -317,6 +322,6 @@ def test_every_plan_attends_as_plain_attention(cpp, amx):
     # beside a prompt chunk), and every prompt group in the prompt op.
     in_cpp = {PlanKind.DECODE, PlanKind.FOLDED, PlanKind.CASCADE, PlanKind.PREFILL, PlanKind.EXTEND}
     cpp_kinds = {PlanKind.CPP_CASCADE, PlanKind.CPP_OWN_KEYS, PlanKind.CPP_PROMPT}
-    if amx:  # bf16 prompts in the flash kernel instead of the prompt op
-        in_cpp, cpp_kinds = in_cpp - {PlanKind.PREFILL, PlanKind.EXTEND}, cpp_kinds - {PlanKind.CPP_PROMPT}
+    if amx:  # long bf16 prompts and chunks in the flash kernel instead of the prompt op
+        in_cpp = in_cpp - {PlanKind.PREFILL, PlanKind.EXTEND}
     assert kinds == (plain - in_cpp | cpp_kinds if cpp else plain)

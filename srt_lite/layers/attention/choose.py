@@ -22,6 +22,9 @@ CASCADE_MIN_PREFIX = 64
 VERIFY_MAX_Q = 16
 # Rows with at most this many new tokens over a shared prefix join a cascade group.
 CASCADE_MAX_Q = 32
+# With flash_rows, fresh prompts of at least this many tokens get a flash call of their own;
+# shorter ones are cheaper in the prompt op than a call each.
+FLASH_ROW_MIN_Q = 96
 # Without the C++ op, a cascade's suffixes are attended as one masked sequence when that has
 # at most this many times the query-key pairs of padding each row's queries to the longest
 # row: the CPU flash kernel computes many more pairs a second in one large call than in
@@ -120,10 +123,10 @@ def row_kind(ext: int, prefix: int) -> RowKind:
 
 
 def prompt_rows_in_flash(dtype: torch.dtype, amx: bool) -> bool:
-    """Whether prompts and chunks take torch's flash kernel one row at a time rather than
-    the C++ prompt op: bf16 on a CPU with AMX, where the flash kernel's products run on AMX
-    tiles, which the op lacks (it has AVX-512 dot products), and beat it on any one row;
-    the op still beats a padded batch there, one flash call per row does not pad."""
+    """Whether long prompts and chunks take torch's flash kernel one row at a time rather
+    than the C++ prompt op: bf16 on a CPU with AMX, where the flash kernel's products run on
+    AMX tiles, which the op lacks (it has AVX-512 dot products), and beat it on one long
+    row; the op still beats a padded batch there, one flash call per row does not pad."""
     return amx and dtype == torch.bfloat16
 
 
@@ -136,8 +139,8 @@ def choose_plan(
     two) have in common at their start, at most their shortest prefix. cpp: the C++ ops can
     run (cpp_cascade_ok): the cascade op then takes a token cascade that is the step's only
     group and the short rows beside other groups, the prompt op every group of prompts.
-    flash_rows (prompt_rows_in_flash): prompts and chunks instead take torch's flash kernel,
-    one group per row."""
+    flash_rows (prompt_rows_in_flash): chunks after a cached prefix and prompts of at least
+    FLASH_ROW_MIN_Q tokens instead take torch's flash kernel, one group per row."""
     B = len(ext)
 
     def choose(rows: list[int], cpp_: bool, cascade_only: bool = False) -> GroupChoice | None:
@@ -166,14 +169,20 @@ def choose_plan(
     chosen = groups + [choose(rows, cpp and alone) for rows in by_kind]
     prompts = (PlanKind.EXTEND, PlanKind.PREFILL)
     if flash_rows:
-        # One flash call per row computes no padded pairs; a row with a cached prefix keeps
-        # its mask (the flash kernel's causal flag assumes queries and keys start together).
+        # One flash call per long row computes no padded pairs; a row with a cached prefix
+        # keeps its mask (the flash kernel's causal flag assumes queries and keys start
+        # together). Short fresh prompts stay one group: a call per row would cost more
+        # than their pairs.
         split: list[GroupChoice] = []
         for c in chosen:
-            if c.kind in prompts:
-                split += [GroupChoice([b], PlanKind.EXTEND if prefix[b] else PlanKind.PREFILL, 0) for b in c.rows]
-            else:
+            if c.kind not in prompts:
                 split.append(c)
+                continue
+            own = [b for b in c.rows if prefix[b] or ext[b] >= FLASH_ROW_MIN_Q]
+            rest = [b for b in c.rows if b not in own]
+            if rest:
+                split.append(GroupChoice(rest, PlanKind.CPP_PROMPT, 0) if cpp else choose(rest, False))
+            split += [GroupChoice([b], PlanKind.EXTEND if prefix[b] else PlanKind.PREFILL, 0) for b in own]
         chosen = split
     elif cpp:
         # Prompts and chunks: the C++ prompt op computes each row's own causal pairs, several
