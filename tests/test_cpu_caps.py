@@ -29,7 +29,7 @@ def caps(flags: set[str], arch: str = "x86_64", forced: str | None = None, onedn
 # (name, caps, kernels built) -> (bf16 linear path, auto dtype is bf16, fp32 linear path). The
 # measured classes are in docs/benchmarks.md ("The dtype rule"); the others follow what runs.
 CLASSES = [
-    ("AVX-512 with BF16/AMX", caps(SAPPHIRE_RAPIDS), True, PATH_PACKED, True, PATH_F32_PANELS),
+    ("AVX-512 with BF16/AMX", caps(SAPPHIRE_RAPIDS), True, PATH_PANELS, True, PATH_F32_PANELS),
     ("the same, no compiler", caps(SAPPHIRE_RAPIDS), False, PATH_PACKED, True, PATH_TORCH),
     ("AVX-512 with BF16, no AMX", caps(ZEN4), True, PATH_PANELS, True, PATH_F32_PANELS),
     ("the same, no compiler", caps(ZEN4), False, PATH_PACKED, True, PATH_TORCH),
@@ -58,6 +58,15 @@ def test_linear_path_and_auto_dtype_per_cpu_class(name, c, built, path, bf16, fp
     assert cpu_linear_path(torch.float16, caps=c, kernels_built=built) == PATH_TORCH
     for dtype in (torch.bfloat16, torch.float32):
         assert cpu_linear_path(dtype, disable_packing=True, caps=c, kernels_built=built) == PATH_TORCH
+
+
+def test_amx_cpu_without_the_amx_op_keeps_onednn():
+    """An AMX CPU whose build of the ops lacks the AMX panel op (or whose OS does not grant
+    the tiles) keeps oneDNN's AMX kernels rather than the AVX-512 panels."""
+    c = caps(SAPPHIRE_RAPIDS)
+    assert cpu_linear_path(torch.bfloat16, caps=c, kernels_built=True, amx_built=False) == PATH_PACKED
+    assert cpu_linear_path(torch.bfloat16, caps=c, kernels_built=True, amx_built=True) == PATH_PANELS
+    assert cpu_linear_path(torch.bfloat16, caps=caps(ZEN4), kernels_built=True, amx_built=False) == PATH_PANELS
 
 
 def test_auto_dtype_for_a_small_model_on_avx2_is_fp32():

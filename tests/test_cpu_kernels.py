@@ -19,7 +19,8 @@ from srt_lite.layers import cpu_kernels
 from srt_lite.layers.attention.choose import PlanKind, cpp_cascade_ok
 from srt_lite.layers.attention.steps import CppCascadePlan
 from srt_lite.layers.linear import (
-    PATH_PACKED, PackableLinear, bf16_gemv_available, pack_panels, packed_linear, panel_linear, panels_built,
+    PATH_PACKED, PackableLinear, amx_panels_built, bf16_gemv_available, pack_panels, packed_linear, panel_linear,
+    panels_built,
 )
 from srt_lite.model_config import ModelConfig
 from srt_lite.model_executor.model_runner import ModelRunner
@@ -261,12 +262,72 @@ def test_panel_linear_matches_the_fp32_product(M, N, K, bias):
     b = torch.randn(N, generator=g).bfloat16() if bias else None
     panels = pack_panels(w)
     assert panels.shape == (-(-N // 64), K // 2, 64, 2)
-    got = panel_linear(x, panels, b, N)
+    avx512 = torch.ops.srt_lite_cpu.panel_linear  # the AVX-512 op, also where panel_linear() takes AMX
+    got = avx512(x, panels, b, N)
     assert got.dtype == torch.bfloat16 and got.shape == (M, N)
     want = x.float() @ w.float().t() + (b.float() if bias else 0)
     torch.testing.assert_close(got.float(), want, rtol=8e-3, atol=1e-3 * K**0.5)
     # A row's result does not depend on its neighbours (no padding rows, no mixing).
-    torch.testing.assert_close(panel_linear(x[-1:], panels, b, N).float(), got[-1:].float(), rtol=8e-3, atol=1e-3 * K**0.5)
+    torch.testing.assert_close(avx512(x[-1:], panels, b, N).float(), got[-1:].float(), rtol=8e-3, atol=1e-3 * K**0.5)
+
+
+AMX = pytest.mark.skipif(not amx_panels_built(), reason="amx_panel_linear needs AMX-BF16")
+
+
+@AMX
+@pytest.mark.parametrize(
+    "M,N,K",
+    [
+        (1, 203, 96),  # one row; outputs off the 16-wide tiles and the 64-row panels
+        (5, 1000, 2048),  # one tile of 5 rows over the whole k range
+        (16, 64, 576),  # one full tile, one panel
+        (17, 130, 4096),  # a full tile and one of a row; k in 16 ranges of 128 pairs
+        (130, 1100, 64),  # two chunks of rows, the second a tile of 2
+        (300, 70, 2080),  # three chunks, k ranges with a short last one
+    ],
+)
+@pytest.mark.parametrize("bias", [False, True])
+def test_amx_panel_linear_matches_the_product_and_ignores_the_batch(M, N, K, bias):
+    """AMX tiles over the same panels: within a bf16 rounding of the fp32 product, and a
+    row's result is the same bit for bit alone, in any slice of the batch, or in the whole
+    (one fp32 accumulator row an output, in k order, whatever the tile or the k ranges)."""
+    g = torch.Generator().manual_seed(17)
+    w = torch.randn(N, K, generator=g).bfloat16()
+    x = torch.randn(M, K, generator=g).bfloat16()
+    b = torch.randn(N, generator=g).bfloat16() if bias else None
+    panels = pack_panels(w)
+    amx = torch.ops.srt_lite_cpu.amx_panel_linear
+    got = amx(x, panels, b, N)
+    assert got.dtype == torch.bfloat16 and got.shape == (M, N)
+    want = x.float() @ w.float().t() + (b.float() if bias else 0)
+    torch.testing.assert_close(got.float(), want, rtol=8e-3, atol=1e-3 * K**0.5)
+    assert torch.equal(amx(x[-1:], panels, b, N), got[-1:])
+    assert torch.equal(amx(x[M // 3:], panels, b, N), got[M // 3:])
+    assert torch.equal(panel_linear(x, panels, b, N), got)  # the dispatcher takes AMX for whole tiles of K
+
+
+@AMX
+def test_amx_panel_linear_rejects_bad_shapes_and_other_k():
+    """K off whole tiles is refused by the AMX op and goes to the AVX-512 op instead."""
+    panels = pack_panels(torch.randn(70, 48).bfloat16())  # K = 48: one and a half tiles
+    x = torch.randn(2, 48).bfloat16()
+    amx = torch.ops.srt_lite_cpu.amx_panel_linear
+    with pytest.raises(RuntimeError, match="not a multiple of 32"):
+        amx(x, panels, None, 70)
+    assert torch.equal(panel_linear(x, panels, None, 70), torch.ops.srt_lite_cpu.panel_linear(x, panels, None, 70))
+    panels = pack_panels(torch.randn(70, 64).bfloat16())
+    x = torch.randn(2, 64).bfloat16()
+    with pytest.raises(RuntimeError, match="x must be"):
+        amx(torch.randn(2, 32).bfloat16(), panels, None, 70)
+    with pytest.raises(RuntimeError, match="x must be"):
+        amx(x.float(), panels, None, 70)
+    with pytest.raises(RuntimeError, match="does not fit"):
+        amx(x, panels, None, 129)
+    with pytest.raises(RuntimeError, match="bias must be"):
+        amx(x, panels, torch.randn(69).bfloat16(), 70)
+    with pytest.raises(RuntimeError, match="weight must be"):
+        amx(x, panels.float(), None, 70)
+    assert amx(x[:0], panels, None, 70).shape == (0, 70)
 
 
 @PANELS
@@ -301,6 +362,7 @@ def test_panel_layers_replace_their_plain_weights():
     want = torch.nn.functional.linear(x := torch.randn(3, 48, generator=g).bfloat16(), layer.weight)
     layer.use_panels()
     assert layer.weight.numel() == 0 and layer.panels is not None
+    assert not layer.panels_amx  # K = 48 is not whole AMX tiles
     torch.testing.assert_close(layer.matmul(x, None).float(), want.float(), rtol=8e-3, atol=2e-2)
     odd = PackableLinear()
     odd.weight = torch.nn.Parameter(torch.randn(10, 7, generator=g).bfloat16(), requires_grad=False)
@@ -318,6 +380,7 @@ def test_panel_layers_replace_their_plain_weights():
     for head in (tied, untied, lookup):
         head.use_panels()
     assert tied.weight.numel() == 0 and untied.weight.numel() == 0 and not tied.gemv
+    assert tied.panels_amx == untied.panels_amx == amx_panels_built()  # K = 64: two tiles
     assert lookup.panels is None and lookup.weight.numel() == 300 * 64
     assert torch.equal(tied(ids), rows)
     torch.testing.assert_close(tied.compute_logits(hidden), want, rtol=8e-3, atol=2e-2)
@@ -392,6 +455,7 @@ def test_f32_panel_layers_replace_their_plain_weights():
     want = torch.nn.functional.linear(x := torch.randn(3, 7, generator=g), layer.weight)
     layer.use_panels()
     assert layer.weight.numel() == 0 and layer.panels is not None
+    assert not layer.panels_amx  # K = 48 is not whole AMX tiles
     torch.testing.assert_close(layer.matmul(x, None), want, rtol=1e-5, atol=1e-5)
     tied = embedding.VocabParallelEmbedding(300, 64)
     tied.weight.data = torch.randn(300, 64, generator=g)

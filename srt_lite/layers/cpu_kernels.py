@@ -3,8 +3,8 @@
 torch.utils.cpp_extension compiles them with the machine's C++ compiler (the one inductor's
 C++ wrapper uses) into the srt_lite cache, once per machine and torch version, and
 registers `torch.ops.srt_lite_cpu.*`: the attention backend's cascade step and prompt
-attention, the compiled graph's packed linear, the linears' panel products, and a decoder
-layer's elementwise ops (RMSNorm, RoPE, SiLU-and-mul).
+attention, the compiled graph's packed linear, the linears' panel products (AVX-512 and
+AMX), and a decoder layer's elementwise ops (RMSNorm, RoPE, SiLU-and-mul).
 Without a compiler, or with SRT_LITE_DISABLE_CPU_KERNELS=1, `load()` returns False and the
 callers keep their torch ops.
 """
@@ -25,7 +25,8 @@ from srt_lite.utils import cache_root
 logger = logging.getLogger(__name__)
 
 _CSRC = os.path.join(os.path.dirname(os.path.dirname(__file__)), "csrc")
-SOURCES = [os.path.join(_CSRC, name) for name in ("cpu_attention.cpp", "cpu_prompt_attention.cpp", "cpu_linear.cpp", "cpu_norm_rope.cpp")]
+SOURCES = [os.path.join(_CSRC, name) for name in ("cpu_attention.cpp", "cpu_prompt_attention.cpp", "cpu_linear.cpp",
+                                                  "cpu_amx_linear.cpp", "cpu_norm_rope.cpp")]
 _loaded: bool | None = None
 # Compiler flags by CPU level (srt_lite.cpu_caps), so at::vec in the sources gets the vector
 # width ATen's own kernels use on this CPU (as ATen builds its AVX2 and AVX-512 kernels).

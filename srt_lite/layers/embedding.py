@@ -9,7 +9,8 @@ from torch import nn
 from srt_lite.distributed import get_tp_rank, get_tp_size, tp_all_gather, tp_all_reduce
 from srt_lite.layers import cpu_kernels
 from srt_lite.layers.linear import (
-    bf16_gemv_available, bf16_kernel_linear, pack_panels, pack_weight, packed_linear, panel_linear, panel_shape,
+    amx_panels_ok, bf16_gemv_available, bf16_kernel_linear, pack_panels, pack_weight, packed_linear, panel_linear,
+    panel_shape,
 )
 from srt_lite.model_loader.weight_utils import TensorSource, read_narrow
 
@@ -34,6 +35,7 @@ class VocabParallelEmbedding(nn.Module):
         self.bf16_kernel = False  # the LM head through the C++ bf16 kernel, see use_bf16_kernel
         self.gemv = False  # one token's logits from the plain weight, see pack_for_cpu
         self.panels: torch.Tensor | None = None  # the LM head in the panel layout, see use_panels
+        self.panels_amx = False  # the panels go through AMX tiles (amx_panels_ok)
         self.hidden_size = hidden_size
 
     def weight_loader(self, param: nn.Parameter, src: TensorSource, shard_id=None) -> None:
@@ -78,6 +80,7 @@ class VocabParallelEmbedding(nn.Module):
         if self.lookup_only or self.weight.shape[1] % panel_shape(self.weight.dtype, wide)[1]:
             return
         self.panels = pack_panels(self.weight.data, wide)
+        self.panels_amx = amx_panels_ok(self.panels)
         self.weight.data = torch.empty(0, dtype=self.weight.dtype)
 
     def use_bf16_kernel(self) -> None:
@@ -89,7 +92,7 @@ class VocabParallelEmbedding(nn.Module):
         if self.gemv and hidden.shape[0] == 1 and cpu_kernels.eager_cpu(hidden):
             logits = torch.ops.srt_lite_cpu.bf16_gemv(hidden, self.weight).float()
         elif self.panels is not None:
-            logits = panel_linear(hidden, self.panels, None, self.vocab_per_rank).float()
+            logits = panel_linear(hidden, self.panels, None, self.vocab_per_rank, self.panels_amx).float()
         elif self.bf16_kernel:
             logits = bf16_kernel_linear(hidden, self.weight, None).float()
         elif self.packed_weight is not None:

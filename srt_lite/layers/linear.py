@@ -70,15 +70,20 @@ BF16_KERNEL_ROWS = 16
 
 
 def cpu_linear_path(dtype: torch.dtype, disable_packing: bool = False, caps: cpu_caps.CpuCaps | None = None,
-                    kernels_built: bool | None = None) -> str:
-    """The fastest linear path that runs on this CPU (or `caps`) for `dtype` weights.
+                    kernels_built: bool | None = None, amx_built: bool | None = None) -> str:
+    """The fastest linear path that runs on this CPU (or `caps`) for `dtype` weights;
+    `kernels_built` and `amx_built` (the AMX panel op runs, which defaults to
+    `kernels_built`) stand in for this process's build of the ops in tests.
     oneDNN's bf16 is fast where the CPU has bf16 instructions; without them oneDNN either
     refuses bf16 (AVX2) or emulates it slowly (AVX-512 without BF16), and torch's own bf16
     matmul is a reference loop beyond one row. There srt_lite's own kernels run, when built
     (docs/benchmarks.md, "The dtype rule", has the figures).
     With AVX512-BF16 but no AMX, srt_lite's panel kernel reads a one-token product's weight
     about twice as fast as oneDNN's packed GEMV and is level with it from a few dozen rows
-    up (docs/benchmarks.md, "Panel layout"); AMX keeps oneDNN, whose AMX tiles it lacks.
+    up (docs/benchmarks.md, "Panel layout"). With AMX the same panels go through AMX tiles
+    (srt_lite_cpu::amx_panel_linear), which stream a decode step's weights about a third
+    faster than oneDNN's AMX kernels (docs/benchmarks.md, "AMX panels"); without the AMX op
+    in the build (or the OS's leave to use the tiles) AMX CPUs keep oneDNN.
     fp32 takes the fp32 panel kernel on AVX2 and AVX-512, where MKL reads a decode step's
     weights at a fraction of the memory's speed (docs/benchmarks.md, "fp32 panels"), and
     bf16 on those CPUs without BF16 instructions the same kernel with the weights widened to
@@ -92,7 +97,9 @@ def cpu_linear_path(dtype: torch.dtype, disable_packing: bool = False, caps: cpu
         built = cpu_kernels.load() if kernels_built is None else kernels_built
         return PATH_F32_PANELS if built and x86_vectors else PATH_TORCH
     built = panels_built() if kernels_built is None else kernels_built
-    if caps.avx512_bf16 and not caps.amx_bf16 and built:
+    if amx_built is None:
+        amx_built = amx_panels_built() if kernels_built is None else kernels_built
+    if caps.avx512_bf16 and built and (not caps.amx_bf16 or amx_built):
         return PATH_PANELS
     if caps.onednn_bf16 and caps.native_bf16:
         return PATH_PACKED
@@ -114,6 +121,13 @@ def panels_built() -> bool:
 
 
 @functools.cache
+def amx_panels_built() -> bool:
+    """Whether srt_lite_cpu::amx_panel_linear runs here: AMX-BF16 in the CPU (not capped by
+    SRT_LITE_CPU_CAPS), in this build of the ops, and granted by the OS."""
+    return cpu_caps.get().amx_bf16 and panels_built() and torch.ops.srt_lite_cpu.amx_supported()
+
+
+@functools.cache
 def bf16_gemv_available() -> bool:
     """Whether srt_lite_cpu::bf16_gemv runs here: AVX512-BF16 in the CPU (not capped by
     SRT_LITE_CPU_CAPS) and in the build. One token's product with a plain bf16 weight reads
@@ -126,6 +140,9 @@ def bf16_gemv_available() -> bool:
 # a pair of k, fp32's multiply-add one.
 PANEL_ROWS = 64
 F32_PANEL_ROWS = 32
+# k pairs of one AMX tile (kTilePairs in cpu_amx_linear.cpp): the AMX op takes K in whole
+# tiles, other K the AVX-512 panel op.
+AMX_TILE_PAIRS = 16
 
 
 def panel_shape(dtype: torch.dtype, wide: bool = False) -> tuple[int, int]:
@@ -145,12 +162,23 @@ def pack_panels(weight: torch.Tensor, wide: bool = False) -> torch.Tensor:
     return padded.view(padded.shape[0] // rows, rows, padded.shape[1] // group, group).transpose(1, 2).contiguous()
 
 
-def panel_linear(x: torch.Tensor, panels: torch.Tensor, bias: torch.Tensor | None, out_features: int) -> torch.Tensor:
+def amx_panels_ok(panels: torch.Tensor) -> bool:
+    """Whether a pack_panels() weight goes through AMX tiles: bf16's layout, K in whole
+    tiles, and the AMX op runs here."""
+    return panels.shape[3] == 2 and panels.shape[1] % AMX_TILE_PAIRS == 0 and amx_panels_built()
+
+
+def panel_linear(x: torch.Tensor, panels: torch.Tensor, bias: torch.Tensor | None, out_features: int,
+                 amx: bool | None = None) -> torch.Tensor:
     """x [n, in] -> [n, out] through a pack_panels() weight, in x's dtype. The fp32 layout
-    (bf16 weights too, with `wide`) computes in fp32: a bf16 x is widened, the output rounded."""
+    (bf16 weights too, with `wide`) computes in fp32: a bf16 x is widened, the output rounded.
+    amx: the bf16 layout through AMX tiles (default: amx_panels_ok). Layers decide it once
+    when they pack, so that a traced graph holds a constant rather than the checks."""
     if panels.shape[3] == 1:
         y = torch.ops.srt_lite_cpu.f32_panel_linear(x.float(), panels, bias, out_features)
         return y.to(x.dtype)
+    if amx_panels_ok(panels) if amx is None else amx:
+        return torch.ops.srt_lite_cpu.amx_panel_linear(x, panels, bias, out_features)
     return torch.ops.srt_lite_cpu.panel_linear(x, panels, bias, out_features)
 
 
@@ -191,6 +219,7 @@ class PackableLinear(nn.Module):
     bf16_kernel: bool = False
     int4: tuple[torch.Tensor, torch.Tensor] | None = None  # see use_int4
     panels: torch.Tensor | None = None  # see use_panels
+    panels_amx: bool = False  # the panels go through AMX tiles (amx_panels_ok)
 
     def use_bf16_kernel(self) -> None:
         self.bf16_kernel = True
@@ -203,6 +232,7 @@ class PackableLinear(nn.Module):
             return  # bf16's layout pairs K: an odd one keeps F.linear
         self.out_features = self.weight.shape[0]
         self.panels = pack_panels(self.weight.data, wide)
+        self.panels_amx = amx_panels_ok(self.panels)
         self.weight.data = torch.empty(0, dtype=self.weight.dtype)
 
     def use_int4(self, codes: torch.Tensor, scale: torch.Tensor, zero: torch.Tensor) -> None:
@@ -231,7 +261,7 @@ class PackableLinear(nn.Module):
             y = int4_linear(x, *self.int4)
             return y if bias is None else y + bias
         if self.panels is not None:
-            return panel_linear(x, self.panels, bias, self.out_features)
+            return panel_linear(x, self.panels, bias, self.out_features, self.panels_amx)
         if self.bf16_kernel:
             return bf16_kernel_linear(x, self.weight, bias)
         if self.packed_weight is None:
@@ -277,6 +307,10 @@ def _register_cpp_fake() -> None:
         return x.new_empty(x.shape[0], weight.shape[0])  # [T, out_features]
 
     @torch.library.register_fake("srt_lite_cpu::panel_linear")
+    def _(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None, n: int) -> torch.Tensor:
+        return x.new_empty(x.shape[0], n)  # [T, out_features]
+
+    @torch.library.register_fake("srt_lite_cpu::amx_panel_linear")
     def _(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None, n: int) -> torch.Tensor:
         return x.new_empty(x.shape[0], n)  # [T, out_features]
 
