@@ -307,6 +307,62 @@ def test_amx_panel_linear_matches_the_product_and_ignores_the_batch(M, N, K, bia
 
 
 @AMX
+@pytest.mark.parametrize(
+    "M,N,K",
+    [
+        (1, 203, 96),  # one row; outputs off the 16-wide tiles and the 64-row panels
+        (8, 1000, 2048),  # one tile of rows, 64 groups
+        (17, 130, 576),  # a full tile and one of a row
+        (40, 70, 64),  # three tiles of rows, two groups
+        (130, 64, 160),  # two chunks of rows
+    ],
+)
+@pytest.mark.parametrize("bias", [False, True])
+def test_amx_int4_panel_linear_matches_the_4bit_product_and_ignores_the_batch(M, N, K, bias):
+    """4-bit panels (a GGUF's codes, scale and zero per group of 32): within fp32 and one bf16
+    rounding of the exact product of the 4-bit weights (float64), and a row's result is the
+    same bit for bit alone, in a slice of the batch, or in the whole."""
+    from srt_lite.layers.linear import pack_int4_panels
+
+    g = torch.Generator().manual_seed(19)
+    codes = torch.randint(0, 16, (N, K), generator=g, dtype=torch.uint8)
+    scale = torch.rand(N, K // 32, generator=g) * 0.02
+    zero = torch.randn(N, K // 32, generator=g) * 0.05
+    x = torch.randn(M, K, generator=g).bfloat16()
+    b = torch.randn(N, generator=g).bfloat16() if bias else None
+    packed, sz = pack_int4_panels(codes, scale, zero)
+    assert packed.shape == (-(-N // 64), K // 4, 4, 32) and sz.shape == (-(-N // 64), K // 32, 2, 64)
+    op = torch.ops.srt_lite_cpu.amx_int4_panel_linear
+    got = op(x, packed, sz, b, N)
+    assert got.dtype == torch.bfloat16 and got.shape == (M, N)
+    w = ((codes.double().view(N, K // 32, 32) - 8) * scale.double()[..., None] + zero.double()[..., None]).view(N, K)
+    want = x.double() @ w.t() + (b.double() if bias else 0)
+    torch.testing.assert_close(got.double(), want, rtol=8e-3, atol=2e-3 * want.abs().max().item())
+    assert torch.equal(op(x[-1:], packed, sz, b, N), got[-1:])
+    assert torch.equal(op(x[M // 3:], packed, sz, b, N), got[M // 3:])
+
+
+@AMX
+def test_amx_int4_panel_linear_rejects_bad_shapes():
+    from srt_lite.layers.linear import pack_int4_panels
+
+    packed, sz = pack_int4_panels(torch.randint(0, 16, (70, 64), dtype=torch.uint8), torch.rand(70, 2), torch.rand(70, 2))
+    x = torch.randn(2, 64).bfloat16()
+    op = torch.ops.srt_lite_cpu.amx_int4_panel_linear
+    with pytest.raises(RuntimeError, match="x must be"):
+        op(torch.randn(2, 32).bfloat16(), packed, sz, None, 70)
+    with pytest.raises(RuntimeError, match="does not fit"):
+        op(x, packed, sz, None, 129)
+    with pytest.raises(RuntimeError, match="sz must be"):
+        op(x, packed, sz[:, :1].contiguous(), None, 70)
+    with pytest.raises(RuntimeError, match="codes must be"):
+        op(x, packed.view(2, 16, 128), sz, None, 70)
+    with pytest.raises(RuntimeError, match="bias must be"):
+        op(x, packed, sz, torch.randn(69).bfloat16(), 70)
+    assert op(x[:0], packed, sz, None, 70).shape == (0, 70)
+
+
+@AMX
 def test_amx_panel_linear_rejects_bad_shapes_and_other_k():
     """K off whole tiles is refused by the AMX op and goes to the AVX-512 op instead."""
     panels = pack_panels(torch.randn(70, 48).bfloat16())  # K = 48: one and a half tiles

@@ -12,6 +12,15 @@
 // Each output accumulates its k pairs in order in one fp32 tile row, with partial sums stored
 // and reloaded exactly between k ranges: a row's result does not depend on the other rows of
 // the batch, nor on how many there are.
+//
+// srt_lite_cpu::amx_int4_panel_linear: the same product over a GGUF's 4-bit weights (Q4_0 /
+// Q4_1, as gguf_quant reads them: w = (q - 8) * scale + zero per group of 32 k), read at a
+// third of bf16's bytes. Widening each weight to bf16 (a multiply, an add and a rounding)
+// costs more than reading bf16 does, so the tiles take q - 8 itself, exact in bf16 and
+// looked up 32 at a time from the codes, and each group's products are scaled after:
+// x . w = scale * (x . (q - 8)) + zero * sum(x) over the group's 32 k, in fp32. This is
+// within fp32 rounding of the 4-bit weights' exact product (not of the bf16-rounded
+// dequantized ones), and a row's result does not depend on its batch either.
 
 #include <ATen/ATen.h>
 #include <ATen/Parallel.h>
@@ -172,6 +181,152 @@ void amx_matmul(const AmxArgs& a, int64_t M) {
     });
   }
 }
+
+// 4-bit panels (pack_int4_panels in linear.py): codes [N / 64, K / 4, 4, 32] uint8: for each
+// two k pairs (rows 2i and 2i + 1 of a B tile) and each of the panel's four 16-output
+// tiles, 32 bytes whose byte j holds element j of row 2i in its low nibble and of row
+// 2i + 1 in its high one, element e being output e / 2 of the tile at k 2p + e % 2.
+// sz [N / 64, K / 32, 2, 64] fp32: each group's scale, then zero, for the panel's outputs.
+constexpr int64_t kGroupPairs = 16;  // k pairs of a GGUF group of 32 weights: one B tile
+constexpr int64_t kTileBytes = kTilePairs * 64;
+
+// bf16 of code - 8 for codes 0..15 (lanes 16-31 repeat them: vpermw reads the low 5 bits).
+alignas(64) constexpr uint16_t kCodeValues[32] = {
+    0xC100, 0xC0E0, 0xC0C0, 0xC0A0, 0xC080, 0xC040, 0xC000, 0xBF80, 0x0000, 0x3F80, 0x4000, 0x4040, 0x4080, 0x40A0, 0x40C0, 0x40E0,
+    0xC100, 0xC0E0, 0xC0C0, 0xC0A0, 0xC080, 0xC040, 0xC000, 0xBF80, 0x0000, 0x3F80, 0x4000, 0x4040, 0x4080, 0x40A0, 0x40C0, 0x40E0};
+
+// tiles [4][16 k pairs][16 outputs x 2] bf16 = q - 8 of one group of a panel (codes: its 512 bytes).
+__attribute__((target("avx512f,avx512bw,avx512vl")))
+void group_tiles(const uint8_t* codes, uint16_t* tiles) {
+  const __m512i table = _mm512_load_si512(kCodeValues);
+  const __m512i nibble = _mm512_set1_epi16(0xF);
+  for (int64_t i = 0; i < kGroupPairs / 2; ++i) {
+    for (int64_t b = 0; b < 4; ++b) {
+      const __m512i c = _mm512_cvtepu8_epi16(_mm256_loadu_si256(reinterpret_cast<const __m256i*>(codes + (i * 4 + b) * 32)));
+      uint16_t* t = tiles + b * kTileBytes / 2 + 2 * i * 32;
+      _mm512_store_si512(t, _mm512_permutexvar_epi16(_mm512_and_si512(c, nibble), table));
+      _mm512_store_si512(t + 32, _mm512_permutexvar_epi16(_mm512_srli_epi16(c, 4), table));
+    }
+  }
+}
+
+// acc [rows, 64] += scale * c + zero * xsum[r] for one group (c: its [rows, 64] tile sums).
+__attribute__((target("avx512f")))
+void scale_group(const float* c, const float* scale, const float* zero, const float* xsum, int64_t xsum_ld, int64_t rows,
+                 float* acc, bool first) {
+  __m512 s[4], z[4];
+  for (int b = 0; b < 4; ++b) {
+    s[b] = _mm512_loadu_ps(scale + b * 16);
+    z[b] = _mm512_loadu_ps(zero + b * 16);
+  }
+  for (int64_t r = 0; r < rows; ++r) {
+    const __m512 xs = _mm512_set1_ps(xsum[r * xsum_ld]);
+    for (int b = 0; b < 4; ++b) {
+      float* o = acc + r * kPanelRows + b * 16;
+      const __m512 base = first ? _mm512_setzero_ps() : _mm512_loadu_ps(o);
+      _mm512_storeu_ps(o, _mm512_fmadd_ps(xs, z[b], _mm512_fmadd_ps(_mm512_loadu_ps(c + r * kPanelRows + b * 16), s[b], base)));
+    }
+  }
+}
+
+// c [rows, 64] fp32 = x [rows, 32] (ldx_bytes apart) . tiles (one group's q - 8).
+__attribute__((target("amx-tile,amx-bf16")))
+void group_product(const uint16_t* x, int64_t ldx_bytes, const uint16_t* tiles, float* c) {
+  constexpr int64_t ldc_bytes = kPanelRows * sizeof(float);
+  _tile_zero(0);
+  _tile_zero(1);
+  _tile_zero(2);
+  _tile_zero(3);
+  _tile_loadd(4, x, ldx_bytes);
+  _tile_loadd(5, tiles, 64);
+  _tile_dpbf16ps(0, 4, 5);
+  _tile_loadd(6, tiles + kTileBytes / 2, 64);
+  _tile_dpbf16ps(1, 4, 6);
+  _tile_loadd(7, tiles + kTileBytes, 64);
+  _tile_dpbf16ps(2, 4, 7);
+  _tile_loadd(5, tiles + 3 * kTileBytes / 2, 64);
+  _tile_dpbf16ps(3, 4, 5);
+  _tile_stored(0, c, ldc_bytes);
+  _tile_stored(1, c + 16, ldc_bytes);
+  _tile_stored(2, c + 32, ldc_bytes);
+  _tile_stored(3, c + 48, ldc_bytes);
+}
+
+// xsum [M, K / 32] = each row's sum of x over each group, in fp32 (k in order).
+__attribute__((target("avx512f,avx512bw")))
+void group_sums(const uint16_t* x, int64_t M, int64_t K, float* xsum) {
+  const int64_t groups = K / (2 * kGroupPairs);
+  for (int64_t r = 0; r < M; ++r) {
+    for (int64_t g = 0; g < groups; ++g) {
+      const __m512i v = _mm512_loadu_si512(x + r * K + g * 32);
+      const __m512 lo = _mm512_castsi512_ps(_mm512_slli_epi32(_mm512_cvtepu16_epi32(_mm512_castsi512_si256(v)), 16));
+      const __m512 hi = _mm512_castsi512_ps(_mm512_slli_epi32(_mm512_cvtepu16_epi32(_mm512_extracti64x4_epi64(v, 1)), 16));
+      xsum[r * groups + g] = _mm512_reduce_add_ps(_mm512_add_ps(lo, hi));
+    }
+  }
+}
+
+struct AmxInt4Args {
+  const uint16_t* x;     // [M, K]
+  const uint8_t* codes;  // [N / 64, K / 4, 4, 32]
+  const float* sz;       // [N / 64, K / 32, 2, 64]
+  const float* xsum;     // [M, K / 32]
+  AmxArgs out;           // bias, out, N, K (its x and w unused)
+};
+
+// A group's tile sums waiting to be scaled into acc (scale_group's arguments).
+struct PendingScale {
+  const float* c = nullptr;
+  const float* scale;
+  const float* xsum;
+  int64_t xsum_ld, rows;
+  float* acc;
+  bool first;
+};
+
+inline void flush(PendingScale& p) {
+  if (p.c) scale_group(p.c, p.scale, p.scale + kPanelRows, p.xsum, p.xsum_ld, p.rows, p.acc, p.first);
+  p.c = nullptr;
+}
+
+// Work units are whole panels; each group's q - 8 tiles serve every tile of rows of a chunk.
+// A product's sums are scaled one product later, from the other of two buffers: reading
+// them straight after the tiles store them would wait on the tile unit.
+void amx_int4_matmul(const AmxInt4Args& a, int64_t M) {
+  const int64_t K = a.out.K, groups = K / (2 * kGroupPairs), panels = (a.out.N + kPanelRows - 1) / kPanelRows;
+  for (int64_t c0 = 0; c0 < M; c0 += kChunkRows) {
+    const int64_t c1 = std::min(M, c0 + kChunkRows);
+    at::parallel_for(0, panels, 1, [&](int64_t begin, int64_t end) {
+      alignas(64) static thread_local float acc[kChunkRows * kPanelRows];   // [rows, 64] sums
+      alignas(64) static thread_local float c[2][kTileRows * kPanelRows];   // [16, 64] a product's sums, twice
+      alignas(64) static thread_local uint16_t tiles[4 * kTileBytes / 2];   // [4, 16, 32] bf16 q - 8
+      int64_t configured = 0;
+      int flip = 0;
+      PendingScale pending;
+      for (int64_t panel = begin; panel < end; ++panel) {
+        for (int64_t g = 0; g < groups; ++g) {
+          group_tiles(a.codes + (panel * groups + g) * kTileBytes, tiles);  // a group: 1 KB of codes
+          const float* scale = a.sz + (panel * groups + g) * 2 * kPanelRows;
+          for (int64_t m0 = c0; m0 < c1; m0 += kTileRows) {
+            const int64_t rows = std::min(kTileRows, c1 - m0);
+            if (rows != configured) {
+              configure_tiles(rows);
+              configured = rows;
+            }
+            float* sums = c[flip];
+            flip ^= 1;
+            group_product(a.x + m0 * K + g * 32, K * 2, tiles, sums);
+            flush(pending);
+            pending = PendingScale{sums, scale, a.xsum + m0 * groups + g, groups, rows, acc + (m0 - c0) * kPanelRows, g == 0};
+          }
+        }
+        flush(pending);
+        store_panel(a.out, acc, panel, c0, c1);
+      }
+      if (configured) release_tiles();
+    });
+  }
+}
 #endif
 
 // Whether this build and CPU run the op, and Linux lets the process use the tiles.
@@ -216,13 +371,52 @@ at::Tensor amx_panel_linear(const at::Tensor& x, const at::Tensor& weight, const
   return out;
 }
 
+// x [M, K] bf16, codes [N / 64, K / 4, 4, 32] uint8 and sz [N / 64, K / 32, 2, 64] fp32
+// (pack_int4_panels in linear.py), bias [N] or none -> [M, N] bf16; fp32 accumulation.
+at::Tensor amx_int4_panel_linear(const at::Tensor& x, const at::Tensor& codes, const at::Tensor& sz,
+                                 const std::optional<at::Tensor>& bias, int64_t N) {
+  TORCH_CHECK(amx_supported(), "amx_int4_panel_linear: this CPU (or build, or OS) has no AMX-BF16");
+  TORCH_CHECK(codes.scalar_type() == at::kByte && codes.dim() == 4 && codes.is_contiguous() && codes.size(2) == 4 &&
+                  codes.size(3) == 32,
+              "amx_int4_panel_linear: codes must be a contiguous uint8 [N / 64, K / 4, 4, 32]");
+  const int64_t P = codes.size(0), K = 4 * codes.size(1);
+  TORCH_CHECK(K % (2 * kTilePairs) == 0, "amx_int4_panel_linear: K = ", K, " is not a multiple of ", 2 * kTilePairs);
+  TORCH_CHECK(sz.scalar_type() == at::kFloat && sz.is_contiguous() && sz.dim() == 4 && sz.size(0) == P &&
+                  sz.size(1) == K / (2 * kTilePairs) && sz.size(2) == 2 && sz.size(3) == kPanelRows,
+              "amx_int4_panel_linear: sz must be a contiguous fp32 [N / 64, K / 32, 2, 64]");
+  TORCH_CHECK(N > (P - 1) * kPanelRows && N <= P * kPanelRows, "amx_int4_panel_linear: N = ", N, " does not fit ", P,
+              " panels");
+  TORCH_CHECK(x.scalar_type() == at::kBFloat16 && x.dim() == 2 && x.size(1) == K,
+              "amx_int4_panel_linear: x must be bf16 [M, ", K, "]");
+  const bool has_bias = bias.has_value() && bias->defined();
+  TORCH_CHECK(!has_bias || bias->numel() == N, "amx_int4_panel_linear: bias must be [N]");
+  const int64_t M = x.size(0);
+  at::Tensor out = at::empty({M, N}, x.options());  // [M, N]
+#ifdef SRT_LITE_HAVE_AMX
+  if (M == 0) return out;
+  at::Tensor xc = x.contiguous();
+  const auto* xp = reinterpret_cast<const uint16_t*>(xc.data_ptr<c10::BFloat16>());
+  at::Tensor xsum = at::empty({M, K / (2 * kTilePairs)}, x.options().dtype(at::kFloat));  // [M, K / 32]
+  group_sums(xp, M, K, xsum.data_ptr<float>());
+  at::Tensor bf = has_bias ? bias->to(at::kFloat).contiguous() : at::Tensor();  // [N] fp32
+  const AmxArgs o{nullptr, nullptr, has_bias ? bf.data_ptr<float>() : nullptr,
+                  reinterpret_cast<uint16_t*>(out.data_ptr<c10::BFloat16>()), N, K};
+  amx_int4_matmul(AmxInt4Args{xp, codes.data_ptr<uint8_t>(), sz.data_ptr<float>(), xsum.data_ptr<float>(), o}, M);
+#endif
+  return out;
+}
+
 }  // namespace
 
 TORCH_LIBRARY_FRAGMENT(srt_lite_cpu, m) {
   m.def("amx_panel_linear(Tensor x, Tensor weight, Tensor? bias, int N) -> Tensor");
+  m.def("amx_int4_panel_linear(Tensor x, Tensor codes, Tensor sz, Tensor? bias, int N) -> Tensor");
   m.def("amx_supported() -> bool");
 }
 
-TORCH_LIBRARY_IMPL(srt_lite_cpu, CPU, m) { m.impl("amx_panel_linear", &amx_panel_linear); }
+TORCH_LIBRARY_IMPL(srt_lite_cpu, CPU, m) {
+  m.impl("amx_panel_linear", &amx_panel_linear);
+  m.impl("amx_int4_panel_linear", &amx_int4_panel_linear);
+}
 
 TORCH_LIBRARY_IMPL(srt_lite_cpu, CompositeExplicitAutograd, m) { m.impl("amx_supported", &amx_supported); }

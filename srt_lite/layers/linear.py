@@ -187,6 +187,11 @@ def panel_linear(x: torch.Tensor, panels: torch.Tensor, bias: torch.Tensor | Non
 # bf16 bytes and wins; from a few rows on, the bf16 product is faster.
 INT4_ROWS = 2
 INT4_GROUP = 32
+# Rows up to which a linear whose panels go through AMX tiles takes its 4-bit panels
+# (srt_lite_cpu::amx_int4_panel_linear) beyond INT4_ROWS: a third of bf16's bytes, with each
+# group's products scaled after, which costs more per row than the bf16 tiles from a few
+# dozen rows up (docs/benchmarks.md, "AMX panels").
+AMX_INT4_ROWS = 32
 
 
 def int4_pack(codes: torch.Tensor, scale: torch.Tensor, zero: torch.Tensor, dtype: torch.dtype) -> tuple[torch.Tensor, torch.Tensor]:
@@ -200,6 +205,30 @@ def int4_pack(codes: torch.Tensor, scale: torch.Tensor, zero: torch.Tensor, dtyp
 def int4_linear(x: torch.Tensor, packed: torch.Tensor, scales_and_zeros: torch.Tensor) -> torch.Tensor:
     """x [n, in] -> [n, out] through an int4_pack() weight."""
     return torch.ops.aten._weight_int4pack_mm_for_cpu(x.contiguous(), packed, INT4_GROUP, scales_and_zeros)
+
+
+def pack_int4_panels(codes: torch.Tensor, scale: torch.Tensor, zero: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+    """codes uint8 [N, K] (0..15), scale/zero [N, K/32] with w = (q - 8) * scale + zero ->
+    the 4-bit panels of srt_lite_cpu::amx_int4_panel_linear: codes [N / 64, K / 4, 4, 32]
+    uint8 (for each two k pairs and each 16-output AMX tile of a panel, 32 bytes holding
+    element j of the first pair's tile row in byte j's low nibble and of the second's in its
+    high one; element e is output e / 2 at k 2p + e % 2) and sz [N / 64, K / 32, 2, 64]
+    fp32 (scale, then zero, per group and output). Padded outputs get code 0 and scale =
+    zero = 0."""
+    n, k = codes.shape
+    pad = -n % PANEL_ROWS
+    codes = torch.nn.functional.pad(codes, (0, 0, 0, pad)).view(-1, PANEL_ROWS, k // 2, 2)  # [P, 64, K/2, 2]
+    rows = codes.transpose(1, 2).reshape(-1, k // 4, 2, 4, 32)  # [P, K/4, pair, tile, element]
+    packed = (rows[:, :, 0] | (rows[:, :, 1] << 4)).contiguous()  # [P, K/4, 4, 32]
+    sz = torch.stack([scale.float(), zero.float()], dim=1)  # [N, 2, K/32]
+    sz = torch.nn.functional.pad(sz, (0, 0, 0, 0, 0, pad)).view(-1, PANEL_ROWS, 2, k // INT4_GROUP)
+    return packed, sz.permute(0, 3, 2, 1).contiguous()  # [P, K/32, 2, 64]
+
+
+def amx_int4_linear(x: torch.Tensor, int4_panels: tuple[torch.Tensor, torch.Tensor], bias: torch.Tensor | None,
+                    out_features: int) -> torch.Tensor:
+    """x [n, in] -> [n, out] bf16 through pack_int4_panels()' (codes, sz) on AMX tiles."""
+    return torch.ops.srt_lite_cpu.amx_int4_panel_linear(x, *int4_panels, bias, out_features)
 
 
 class PackableLinear(nn.Module):
@@ -218,6 +247,7 @@ class PackableLinear(nn.Module):
     cpp_key: int = -1  # the weight's key for srt_lite_cpu::packed_linear (C++), if built
     bf16_kernel: bool = False
     int4: tuple[torch.Tensor, torch.Tensor] | None = None  # see use_int4
+    int4_panels: tuple[torch.Tensor, torch.Tensor] | None = None  # see use_int4
     panels: torch.Tensor | None = None  # see use_panels
     panels_amx: bool = False  # the panels go through AMX tiles (amx_panels_ok)
 
@@ -238,8 +268,12 @@ class PackableLinear(nn.Module):
     def use_int4(self, codes: torch.Tensor, scale: torch.Tensor, zero: torch.Tensor) -> None:
         """Adds a 4-bit copy of the weight (this rank's codes [N, K] and per-32 scale/zero
         [N, K/32]) for products of at most INT4_ROWS rows: a decode step at one stream reads
-        a quarter of the bytes. The full-precision weight stays for larger products."""
+        a quarter of the bytes; and where the panels go through AMX tiles, 4-bit panels for
+        products of up to AMX_INT4_ROWS rows (batched decode). The full-precision weight
+        stays for larger products."""
         self.int4 = int4_pack(codes, scale, zero, self.weight.dtype)
+        if self.panels_amx:
+            self.int4_panels = pack_int4_panels(codes, scale, zero)
 
     def pack_for_cpu(self) -> None:
         out_features = self.weight.shape[0]
@@ -256,10 +290,13 @@ class PackableLinear(nn.Module):
 
     def matmul(self, x: torch.Tensor, bias: torch.Tensor | None) -> torch.Tensor:
         # A traced graph serves many row counts (a symbolic size): only the single-token
-        # graph, whose size is a plain int, takes the int4 copy.
-        if self.int4 is not None and isinstance(x.shape[0], int) and x.shape[0] <= INT4_ROWS:
+        # graph, whose size is a plain int, takes the 4-bit copies.
+        rows = x.shape[0]
+        if self.int4 is not None and isinstance(rows, int) and rows <= INT4_ROWS:
             y = int4_linear(x, *self.int4)
             return y if bias is None else y + bias
+        if self.int4_panels is not None and isinstance(rows, int) and rows <= AMX_INT4_ROWS:
+            return amx_int4_linear(x, self.int4_panels, bias, self.out_features)
         if self.panels is not None:
             return panel_linear(x, self.panels, bias, self.out_features, self.panels_amx)
         if self.bf16_kernel:
@@ -312,6 +349,10 @@ def _register_cpp_fake() -> None:
 
     @torch.library.register_fake("srt_lite_cpu::amx_panel_linear")
     def _(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None, n: int) -> torch.Tensor:
+        return x.new_empty(x.shape[0], n)  # [T, out_features]
+
+    @torch.library.register_fake("srt_lite_cpu::amx_int4_panel_linear")
+    def _(x: torch.Tensor, codes: torch.Tensor, sz: torch.Tensor, bias: torch.Tensor | None, n: int) -> torch.Tensor:
         return x.new_empty(x.shape[0], n)  # [T, out_features]
 
     @torch.library.register_fake("srt_lite_cpu::f32_panel_linear")
