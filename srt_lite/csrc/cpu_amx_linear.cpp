@@ -188,14 +188,16 @@ void amx_matmul(const AmxArgs& a, int64_t M) {
 // 2i + 1 in its high one, element e being output e / 2 of the tile at k 2p + e % 2.
 // sz [N / 64, K / 32, 2, 64] fp32: each group's scale, then zero, for the panel's outputs.
 constexpr int64_t kGroupPairs = 16;  // k pairs of a GGUF group of 32 weights: one B tile
-constexpr int64_t kTileBytes = kTilePairs * 64;
+constexpr int64_t kTileBytes = kTilePairs * 64;  // one bf16 B tile
+constexpr int64_t kGroupCodeBytes = kPanelRows * 2 * kGroupPairs / 2;  // a panel's codes of one group
 
 // bf16 of code - 8 for codes 0..15 (lanes 16-31 repeat them: vpermw reads the low 5 bits).
 alignas(64) constexpr uint16_t kCodeValues[32] = {
     0xC100, 0xC0E0, 0xC0C0, 0xC0A0, 0xC080, 0xC040, 0xC000, 0xBF80, 0x0000, 0x3F80, 0x4000, 0x4040, 0x4080, 0x40A0, 0x40C0, 0x40E0,
     0xC100, 0xC0E0, 0xC0C0, 0xC0A0, 0xC080, 0xC040, 0xC000, 0xBF80, 0x0000, 0x3F80, 0x4000, 0x4040, 0x4080, 0x40A0, 0x40C0, 0x40E0};
 
-// tiles [4][16 k pairs][16 outputs x 2] bf16 = q - 8 of one group of a panel (codes: its 512 bytes).
+// tiles [4][16 k pairs][16 outputs x 2] bf16 = q - 8 of one group of a panel (codes: its
+// kGroupCodeBytes).
 __attribute__((target("avx512f,avx512bw,avx512vl")))
 void group_tiles(const uint8_t* codes, uint16_t* tiles) {
   const __m512i table = _mm512_load_si512(kCodeValues);
@@ -252,7 +254,7 @@ void group_product(const uint16_t* x, int64_t ldx_bytes, const uint16_t* tiles, 
   _tile_stored(3, c + 48, ldc_bytes);
 }
 
-// xsum [M, K / 32] = each row's sum of x over each group, in fp32 (k in order).
+// xsum [M, K / 32] = each row's sum of x over each group, in fp32.
 __attribute__((target("avx512f,avx512bw")))
 void group_sums(const uint16_t* x, int64_t M, int64_t K, float* xsum) {
   const int64_t groups = K / (2 * kGroupPairs);
@@ -305,7 +307,7 @@ void amx_int4_matmul(const AmxInt4Args& a, int64_t M) {
       PendingScale pending;
       for (int64_t panel = begin; panel < end; ++panel) {
         for (int64_t g = 0; g < groups; ++g) {
-          group_tiles(a.codes + (panel * groups + g) * kTileBytes, tiles);  // a group: 1 KB of codes
+          group_tiles(a.codes + (panel * groups + g) * kGroupCodeBytes, tiles);
           const float* scale = a.sz + (panel * groups + g) * 2 * kPanelRows;
           for (int64_t m0 = c0; m0 < c1; m0 += kTileRows) {
             const int64_t rows = std::min(kTileRows, c1 - m0);
