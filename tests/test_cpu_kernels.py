@@ -543,7 +543,7 @@ def _masked_reference(q, k_buf, v_buf, rows, prefix, num_heads, scale):
 
 @pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float32])
 @pytest.mark.parametrize("heads,kv_heads,head_dim", [(9, 3, 64), (32, 8, 64), (14, 2, 64), (4, 4, 128), (8, 2, 80), (2, 1, 256)])
-@pytest.mark.parametrize("prefix_len", [0, 37])
+@pytest.mark.parametrize("prefix_len", [0, 37, 700])
 def test_cascade_op_matches_masked_attention(dtype, heads, kv_heads, head_dim, prefix_len):
     """The op against SDPA over scattered slots: query groups of 1-4 heads per pass (GQA
     groups of 1, 3, 4, 7), head sizes that are and are not a multiple of the value chunk,
@@ -592,6 +592,63 @@ def test_bad_slots_or_offsets_raise_and_write_nothing(loc, suffix, q_off, k_off,
             torch.empty(2, H * D),
         )
     assert not k_buf.any() and not v_buf.any()
+
+
+def _prefix_reference(q, T, G, k_buf, v_buf, slots, scale):
+    """Every query over the prefix slots in float64: (o [Hkv, T * G, D], lse [Hkv, T * G])."""
+    Hkv, D = k_buf.shape[1], k_buf.shape[2]
+    K, V = k_buf[slots].double().transpose(0, 1), v_buf[slots].double().transpose(0, 1)  # [Hkv, L, D]
+    Q = q[:T].double().view(T, Hkv, G, D).permute(1, 0, 2, 3).reshape(Hkv, T * G, D)
+    s = Q @ K.transpose(1, 2) * scale
+    return torch.softmax(s, -1) @ V, torch.logsumexp(s, -1)
+
+
+@AMX
+@pytest.mark.parametrize("kv_heads,group,head_dim", [(3, 3, 64), (8, 4, 64), (2, 7, 128), (1, 2, 256), (4, 1, 32)])
+@pytest.mark.parametrize("prefix_len", [1, 100, 1100])
+@pytest.mark.parametrize("contiguous", [True, False])
+def test_amx_prefix_attention_matches_softmax_and_ignores_the_batch(kv_heads, group, head_dim, prefix_len, contiguous):
+    """The AMX shared-prefix kernel against float64 attention: one key, a ragged key block,
+    several key chunks; slots in a run or scattered; 1 to 77 queries per KV head (one tile,
+    two, a ragged third). Each query's result is the same alone as in a batch."""
+    g = torch.Generator().manual_seed(kv_heads * head_dim + prefix_len + contiguous)
+    k_buf = torch.randn(2048, kv_heads, head_dim, generator=g).bfloat16()
+    v_buf = torch.randn(2048, kv_heads, head_dim, generator=g).bfloat16()
+    q = torch.randn(12, kv_heads * group * head_dim, generator=g).bfloat16()
+    index = torch.randperm(2048, generator=g)[:prefix_len]
+    start = 300 if contiguous else -1
+    slots = torch.arange(start, start + prefix_len) if contiguous else index
+    scale = head_dim ** -0.5
+    op = torch.ops.srt_lite_cpu.amx_prefix_attention
+    outs = {}
+    for T in (1, 11):
+        o, lse = op(q, T, group, k_buf, v_buf, start, prefix_len, index, scale)
+        assert o.dtype == lse.dtype == torch.float32 and o.shape == (1, kv_heads, T * group, head_dim)
+        ro, rl = _prefix_reference(q, T, group, k_buf, v_buf, slots, scale)
+        err = ((o[0].double() - ro).abs().max() / ro.abs().max()).item()
+        assert err < 1e-2, err  # the probabilities are bf16 in P . V
+        assert (lse[0].double() - rl).abs().max().item() < 1e-4
+        outs[T] = o[0], lse[0]
+    assert torch.equal(outs[1][0], outs[11][0][:, :group]) and torch.equal(outs[1][1], outs[11][1][:, :group])
+
+
+@AMX
+def test_amx_prefix_attention_rejects_what_it_cannot_take():
+    k_buf = torch.randn(64, 2, 64).bfloat16()
+    q = torch.randn(2, 4 * 64).bfloat16()
+    op = torch.ops.srt_lite_cpu.amx_prefix_attention
+    none = torch.empty(0, dtype=torch.int64)
+    with pytest.raises(RuntimeError, match="needs AMX, bf16"):
+        op(q.float(), 2, 2, k_buf.float(), k_buf.float(), 0, 10, none, 0.1)
+    with pytest.raises(RuntimeError, match="needs AMX, bf16"):  # head_dim 48 is not whole tiles
+        op(torch.randn(2, 4 * 48).bfloat16(), 2, 2, torch.randn(64, 2, 48).bfloat16(), torch.randn(64, 2, 48).bfloat16(),
+           0, 10, none, 0.1)
+    with pytest.raises(RuntimeError, match="past the buffer"):
+        op(q, 2, 2, k_buf, k_buf, 60, 10, none, 0.1)
+    with pytest.raises(RuntimeError, match="out of range"):
+        op(q, 2, 2, k_buf, k_buf, -1, 2, torch.tensor([3, 64]), 0.1)
+    with pytest.raises(RuntimeError, match="prefix_index must be"):
+        op(q, 2, 2, k_buf, k_buf, -1, 3, torch.tensor([3, 4]), 0.1)
 
 
 # The three ways the prompt op computes: fp32, bf16 widened to fp32, bf16 dot products.

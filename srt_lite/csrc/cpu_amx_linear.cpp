@@ -29,13 +29,7 @@
 #include <algorithm>
 #include <cstdint>
 
-#if defined(CPU_CAPABILITY_AVX512) && defined(__GNUC__) && !defined(__clang__) && __GNUC__ >= 11 && defined(__linux__)
-#define SRT_LITE_HAVE_AMX 1
-#include <cpuid.h>
-#include <immintrin.h>
-#include <sys/syscall.h>
-#include <unistd.h>
-#endif
+#include "cpu_amx.h"
 
 namespace {
 
@@ -52,25 +46,8 @@ constexpr int64_t kChunkRows = 128;
 constexpr int64_t kChunkPairsManyRows = 128;
 constexpr int64_t kChunkPairsOneTile = 1 << 20;
 
-// Linux hands a process AMX's tile data only after it asks (arch_prctl ARCH_REQ_XCOMP_PERM
-// for XFEATURE_XTILEDATA); a tile instruction before that raises SIGILL.
-constexpr int kArchReqXcompPerm = 0x1023;
-constexpr int kXfeatureXtiledata = 18;
-
-bool cpu_has_amx_bf16() {
-  unsigned eax, ebx, ecx, edx;
-  if (!__get_cpuid_count(7, 0, &eax, &ebx, &ecx, &edx)) return false;
-  return (edx >> 22 & 1) && (edx >> 24 & 1);  // AMX-BF16, AMX-TILE
-}
-
-// The 64-byte tile configuration of palette 1 (Intel SDM, LDTILECFG).
-struct TileConfig {
-  uint8_t palette_id = 1;
-  uint8_t start_row = 0;
-  uint8_t reserved[14] = {};
-  uint16_t colsb[16] = {};  // bytes a row, per tile
-  uint8_t rows[16] = {};    // rows, per tile
-};
+using srt_lite_amx::release_tiles;
+using srt_lite_amx::TileConfig;
 
 // Tiles 0-3: the accumulators of rows x 16 outputs (fp32); 4: x, rows x 16 k pairs; 5-7: the
 // weight, 16 k pairs x 16 outputs (tile 5 is loaded twice per step, for outputs 0-15 and 48-63).
@@ -85,13 +62,8 @@ void configure_tiles(int64_t rows) {
     cfg.rows[t] = kTilePairs;
     cfg.colsb[t] = 64;
   }
-  // Inline asm with a memory operand: GCC does not see _tile_loadconfig read cfg and drops
-  // the stores that fill it.
-  __asm__ volatile("ldtilecfg %0" : : "m"(cfg));
+  srt_lite_amx::load_config(cfg);
 }
-
-__attribute__((target("amx-tile")))
-void release_tiles() { _tile_release(); }
 
 // partial [rows, 64] fp32 (+)= x [rows, 2 * pairs] (ldx_bytes apart) . the panel's k pairs
 // [0, pairs) at w (256 bytes a pair); `first` starts from zero instead of partial.
@@ -176,7 +148,6 @@ void amx_matmul(const AmxArgs& a, int64_t M) {
         }
         store_panel(a, partial, panel, c0, c1);
       }
-      // Released tiles are not saved and restored on every context switch.
       if (configured) release_tiles();
     });
   }
@@ -332,15 +303,7 @@ void amx_int4_matmul(const AmxInt4Args& a, int64_t M) {
 #endif
 
 // Whether this build and CPU run the op, and Linux lets the process use the tiles.
-bool amx_supported() {
-#ifdef SRT_LITE_HAVE_AMX
-  static const bool ok = cpu_has_amx_bf16() && __builtin_cpu_supports("avx512bf16") &&
-                         syscall(SYS_arch_prctl, kArchReqXcompPerm, kXfeatureXtiledata) == 0;
-  return ok;
-#else
-  return false;
-#endif
-}
+bool amx_supported() { return srt_lite_amx::supported(); }
 
 // x [M, K] bf16 with K a multiple of 32, weight [N / 64, K / 2, 64, 2] bf16 (pack_panels in
 // linear.py), bias [N] or none -> [M, N] bf16; fp32 accumulation.

@@ -25,6 +25,8 @@
 #include <mutex>
 #include <vector>
 
+#include "cpu_amx.h"
+
 namespace {
 
 // Row ids must address the buffer: a bad id would write outside it.
@@ -237,7 +239,9 @@ void suffix_row(
   const T* qp = q.data_ptr<T>();
   T* op = out.data_ptr<T>();
   // No prefix part (a batch of rows with nothing shared): the suffix is all there is.
-  const T* pre = o_pre.defined() ? o_pre.data_ptr<T>() : nullptr;
+  // o_pre is fp32 (the AMX prefix kernel) or T (flash attention).
+  const bool pre_f32 = o_pre.defined() && o_pre.scalar_type() == at::kFloat;
+  const void* pre = o_pre.defined() ? o_pre.data_ptr() : nullptr;
   const float* lse = lse_pre.defined() ? lse_pre.data_ptr<float>() : nullptr;
   float* qbuf = scratch;
   float* s = qbuf + kQRows * D;
@@ -267,7 +271,12 @@ void suffix_row(
       if (pre != nullptr) {
         const float w_pre = 1.f / (1.f + std::exp(lse_suf - lse[h * lse_pre.stride(1) + row * lse_pre.stride(2)]));
         w_suf = (1.f - w_pre) / l[r];
-        to_float(pre_f, pre + h * o_pre.stride(1) + row * o_pre.stride(2), D, w_pre);
+        const int64_t at_row = h * o_pre.stride(1) + row * o_pre.stride(2);
+        if (pre_f32) {
+          to_float(pre_f, static_cast<const float*>(pre) + at_row, D, w_pre);
+        } else {
+          to_float(pre_f, static_cast<const T*>(pre) + at_row, D, w_pre);
+        }
       } else {
         std::memset(pre_f, 0, D * sizeof(float));
       }
@@ -310,7 +319,9 @@ void cascade_attention(
   // Prefix: every query (row t * G + g of KV head h is head h * G + g of token t) sees it all.
   // Without one (prefix_len 0: decode rows that share nothing) the rows' own keys are all.
   at::Tensor o_pre, lse_pre;
-  if (prefix_len > 0) {
+  // AMX CPUs with bf16 KV take the tiles' kernel (fp32 output); the others flash attention.
+  if (prefix_len > 0 && !srt_lite_amx::prefix_attention(q, T, G, k_buf, v_buf, prefix_start, prefix_len, prefix_index,
+                                                        scale, o_pre, lse_pre)) {
     at::Tensor q_seq = q.narrow(0, 0, T).view({T, Hkv, G, D}).transpose(0, 1).reshape({1, Hkv, T * G, D});
     at::Tensor k_pre, v_pre;
     if (prefix_start >= 0) {

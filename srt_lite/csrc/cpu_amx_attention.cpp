@@ -1,0 +1,369 @@
+// srt_lite_amx::prefix_attention: the shared-prefix part of a cascade step (cpu_attention.cpp)
+// on AMX tiles, for bf16 KV.
+//
+// Every query of the step (T tokens x G query heads per KV head) attends to the same prefix
+// keys, so the work is two small matrix products per KV head, S = Q . K^T and O = P . V,
+// over keys that are read once for all queries. torch's flash attention makes one task per
+// KV head (too few for the threads at a model's 2-8 KV heads) and multiplies in fp32
+// vectors; here the prefix is split into key chunks, one task per (KV head, chunk), whose
+// partial softmax sums are merged by log-sum-exp afterwards, and both products run on the
+// tiles.
+//
+// Tiles take their B operand in pairs of k: K^T's pairs are two adjacent head-dim elements of
+// each key (a 16 x 16 transpose of 32-bit words of 16 keys), V's are the same element of
+// two adjacent keys (an interleave of two key rows). Both are built per chunk in the task's
+// scratch, so the keys may lie anywhere in the pool. The scores are fp32; the probabilities
+// take bf16 for P . V, as in flash attention's bf16 kernels, and their sum stays fp32.
+
+#include "cpu_amx.h"
+
+#include <ATen/Parallel.h>
+#include <ATen/cpu/vec/functional.h>
+#include <ATen/cpu/vec/vec.h>
+#include <torch/library.h>
+
+#include <algorithm>
+#include <cmath>
+#include <cstring>
+#include <limits>
+#include <tuple>
+#include <vector>
+
+namespace srt_lite_amx {
+namespace {
+
+#ifdef SRT_LITE_HAVE_AMX
+constexpr int64_t kTileWords = 512;   // bf16 elements of one 16 x 64-byte tile
+constexpr int64_t kKeyBlock = 32;     // keys of one P . V tile step (16 key pairs)
+constexpr int64_t kQueryBlock = 32;   // queries per pass over a chunk: two tiles of 16 rows
+// Keys per task: enough tasks for the threads to share evenly, few enough partial sums.
+constexpr int64_t kMinChunkKeys = 64;
+constexpr int64_t kMaxChunkKeys = 512;
+
+using Vec = at::vec::Vectorized<float>;
+
+// Every tile 16 rows x 64 bytes: tiles 0-3 accumulate, 4-5 take A (queries, or their
+// probabilities), 6-7 take B (keys, or values).
+__attribute__((target("amx-tile"))) void configure() {
+  TileConfig cfg;
+  for (int t = 0; t < 8; ++t) {
+    cfg.rows[t] = 16;
+    cfg.colsb[t] = 64;
+  }
+  load_config(cfg);
+}
+
+// r[i] lane n = r[n] lane i, for 16 x 16 32-bit words (unpacks in 128-bit lanes, then two
+// passes of 128-bit block shuffles).
+__attribute__((target("avx512f"))) void transpose16(__m512i r[16]) {
+  __m512i t[16], u[16];
+  for (int k = 0; k < 8; ++k) {
+    t[2 * k] = _mm512_unpacklo_epi32(r[2 * k], r[2 * k + 1]);
+    t[2 * k + 1] = _mm512_unpackhi_epi32(r[2 * k], r[2 * k + 1]);
+  }
+  for (int k = 0; k < 4; ++k) {
+    u[4 * k] = _mm512_unpacklo_epi64(t[4 * k], t[4 * k + 2]);
+    u[4 * k + 1] = _mm512_unpackhi_epi64(t[4 * k], t[4 * k + 2]);
+    u[4 * k + 2] = _mm512_unpacklo_epi64(t[4 * k + 1], t[4 * k + 3]);
+    u[4 * k + 3] = _mm512_unpackhi_epi64(t[4 * k + 1], t[4 * k + 3]);
+  }
+  // u[4k + j]'s 128-bit block L holds words 4L + j of rows 4k .. 4k + 3.
+  for (int j = 0; j < 4; ++j) {
+    const __m512i v0 = _mm512_shuffle_i32x4(u[j], u[4 + j], 0x44);
+    const __m512i v1 = _mm512_shuffle_i32x4(u[j], u[4 + j], 0xEE);
+    const __m512i v2 = _mm512_shuffle_i32x4(u[8 + j], u[12 + j], 0x44);
+    const __m512i v3 = _mm512_shuffle_i32x4(u[8 + j], u[12 + j], 0xEE);
+    r[j] = _mm512_shuffle_i32x4(v0, v2, 0x88);
+    r[4 + j] = _mm512_shuffle_i32x4(v0, v2, 0xDD);
+    r[8 + j] = _mm512_shuffle_i32x4(v1, v3, 0x88);
+    r[12 + j] = _mm512_shuffle_i32x4(v1, v3, 0xDD);
+  }
+}
+
+// One task's keys: n keys from j0 of the prefix, in one KV head.
+struct Chunk {
+  const uint16_t* k;      // k_buf's first element of the head
+  const uint16_t* v;      // v_buf's
+  const int64_t* index;   // the prefix's slots, or null: slots start, start + 1, ...
+  int64_t start, row_stride, j0, n, D;
+
+  const uint16_t* key(const uint16_t* base, int64_t j) const {
+    return j < n ? base + (index ? index[j0 + j] : start + j0 + j) * row_stride : nullptr;
+  }
+};
+
+// kt [np / 16, D / 32, 16, 32]: B tiles of K^T; tile (b, dt) row i holds, for keys
+// 16b .. 16b + 15, head-dim elements 32 dt + 2i and 32 dt + 2i + 1. Keys past n are zero.
+__attribute__((target("avx512f"))) void pack_keys(const Chunk& c, int64_t np, uint16_t* kt) {
+  const int64_t dts = c.D / 32;
+  for (int64_t b = 0; b < np / 16; ++b) {
+    const uint16_t* rows[16];
+    for (int64_t n = 0; n < 16; ++n) rows[n] = c.key(c.k, b * 16 + n);
+    for (int64_t dt = 0; dt < dts; ++dt) {
+      __m512i r[16];
+      for (int64_t n = 0; n < 16; ++n) r[n] = rows[n] ? _mm512_loadu_si512(rows[n] + dt * 32) : _mm512_setzero_si512();
+      transpose16(r);
+      uint16_t* tile = kt + (b * dts + dt) * kTileWords;
+      for (int64_t i = 0; i < 16; ++i) _mm512_storeu_si512(tile + i * 32, r[i]);
+    }
+  }
+}
+
+// vv [np / 32, D / 16, 16, 32]: B tiles of V; tile (b, dt) row i holds, for head-dim
+// elements 16 dt .. 16 dt + 15, keys 32b + 2i and 32b + 2i + 1 side by side. Keys past n
+// are zero (their probabilities are too, and 0 times a stale value could be NaN).
+__attribute__((target("avx512f"))) void pack_values(const Chunk& c, int64_t np, uint16_t* vv) {
+  const int64_t dts = c.D / 16;
+  for (int64_t b = 0; b < np / kKeyBlock; ++b) {
+    for (int64_t i = 0; i < 16; ++i) {
+      const uint16_t* even = c.key(c.v, b * kKeyBlock + 2 * i);
+      const uint16_t* odd = c.key(c.v, b * kKeyBlock + 2 * i + 1);
+      for (int64_t dt = 0; dt < dts; ++dt) {
+        const __m256i a = even ? _mm256_loadu_si256(reinterpret_cast<const __m256i*>(even + dt * 16)) : _mm256_setzero_si256();
+        const __m256i o = odd ? _mm256_loadu_si256(reinterpret_cast<const __m256i*>(odd + dt * 16)) : _mm256_setzero_si256();
+        const __m512i w = _mm512_or_si512(_mm512_cvtepu16_epi32(a), _mm512_slli_epi32(_mm512_cvtepu16_epi32(o), 16));
+        _mm512_storeu_si512(vv + ((b * dts + dt) * 16 + i) * 32, w);
+      }
+    }
+  }
+}
+
+// s [QT * 16, ls] fp32 = q [QT * 16, D] . K^T over the chunk's nb key blocks (kt).
+template <int QT>
+__attribute__((target("amx-tile,amx-bf16"))) void scores(const uint16_t* q, int64_t D, const uint16_t* kt, int64_t nb,
+                                                         float* s, int64_t ls) {
+  const int64_t dts = D / 32, lds = ls * sizeof(float), ldq = D * sizeof(uint16_t);
+  for (int64_t b = 0; b < nb; ++b) {  // score tiles of keys 32b .. 32b + 15 and 32b + 16 .. 32b + 31
+    _tile_zero(0);
+    _tile_zero(2);
+    if constexpr (QT == 2) {
+      _tile_zero(1);
+      _tile_zero(3);
+    }
+    for (int64_t dt = 0; dt < dts; ++dt) {
+      _tile_loadd(4, q + dt * 32, ldq);
+      _tile_loadd(6, kt + (2 * b * dts + dt) * kTileWords, 64);
+      _tile_loadd(7, kt + ((2 * b + 1) * dts + dt) * kTileWords, 64);
+      _tile_dpbf16ps(0, 4, 6);
+      _tile_dpbf16ps(2, 4, 7);
+      if constexpr (QT == 2) {
+        _tile_loadd(5, q + 16 * D + dt * 32, ldq);
+        _tile_dpbf16ps(1, 5, 6);
+        _tile_dpbf16ps(3, 5, 7);
+      }
+    }
+    _tile_stored(0, s + b * kKeyBlock, lds);
+    _tile_stored(2, s + b * kKeyBlock + 16, lds);
+    if constexpr (QT == 2) {
+      _tile_stored(1, s + 16 * ls + b * kKeyBlock, lds);
+      _tile_stored(3, s + 16 * ls + b * kKeyBlock + 16, lds);
+    }
+  }
+}
+
+// acc [QT * 16, D] fp32 = p [QT * 16, lp] (bf16 probabilities) . V over nb key blocks (vv).
+template <int QT>
+__attribute__((target("amx-tile,amx-bf16"))) void values(const uint16_t* p, int64_t lp, const uint16_t* vv, int64_t nb,
+                                                         int64_t D, float* acc) {
+  const int64_t dts = D / 16, ldp = lp * sizeof(uint16_t), lda = D * sizeof(float);
+  for (int64_t dt = 0; dt < dts; dt += 2) {
+    _tile_zero(0);
+    _tile_zero(2);
+    if constexpr (QT == 2) {
+      _tile_zero(1);
+      _tile_zero(3);
+    }
+    for (int64_t b = 0; b < nb; ++b) {
+      _tile_loadd(4, p + b * kKeyBlock, ldp);
+      _tile_loadd(6, vv + (b * dts + dt) * kTileWords, 64);
+      _tile_loadd(7, vv + (b * dts + dt + 1) * kTileWords, 64);
+      _tile_dpbf16ps(0, 4, 6);
+      _tile_dpbf16ps(2, 4, 7);
+      if constexpr (QT == 2) {
+        _tile_loadd(5, p + 16 * lp + b * kKeyBlock, ldp);
+        _tile_dpbf16ps(1, 5, 6);
+        _tile_dpbf16ps(3, 5, 7);
+      }
+    }
+    _tile_stored(0, acc + dt * 16, lda);
+    _tile_stored(2, acc + (dt + 1) * 16, lda);
+    if constexpr (QT == 2) {
+      _tile_stored(1, acc + 16 * D + dt * 16, lda);
+      _tile_stored(3, acc + 16 * D + (dt + 1) * 16, lda);
+    }
+  }
+}
+
+// For each of `rows` score rows (s, ls apart) over n keys (np with padding): the scaled
+// scores' max m[r] and exp-sum l[r] (fp32), and the probabilities exp(score - m) in bf16
+// into p (lp apart; zero past n).
+__attribute__((target("avx512f,avx512bf16"))) void softmax_rows(float* s, int64_t ls, int64_t n, int64_t np, int64_t rows,
+                                                              float scale, uint16_t* p, int64_t lp, float* m, float* l) {
+  constexpr int64_t W = Vec::size();
+  const float neg_inf = -std::numeric_limits<float>::infinity();
+  for (int64_t r = 0; r < rows; ++r) {
+    float* sr = s + r * ls;
+    for (int64_t j = n; j < np; ++j) sr[j] = neg_inf;
+    Vec vmax(neg_inf);
+    for (int64_t j = 0; j < np; j += W) {
+      const Vec x = Vec::loadu(sr + j) * Vec(scale);
+      x.store(sr + j);
+      vmax = at::vec::maximum(vmax, x);
+    }
+    const float mr = at::vec::vec_reduce_all<float>([](Vec& x, Vec& y) { return at::vec::maximum(x, y); }, vmax);
+    Vec vsum(0.f);
+    for (int64_t j = 0; j < np; j += W) {
+      const Vec e = (Vec::loadu(sr + j) - Vec(mr)).exp_u20();
+      vsum = vsum + e;
+      _mm256_storeu_si256(reinterpret_cast<__m256i*>(p + r * lp + j), (__m256i)_mm512_cvtneps_pbh(e));
+    }
+    m[r] = mr;
+    l[r] = at::vec::vec_reduce_all<float>([](Vec& x, Vec& y) { return x + y; }, vsum);
+  }
+}
+#endif
+
+}  // namespace
+
+bool prefix_attention(const at::Tensor& q, int64_t T, int64_t G, const at::Tensor& k_buf, const at::Tensor& v_buf,
+                      int64_t prefix_start, int64_t prefix_len, const at::Tensor& prefix_index, double scale,
+                      at::Tensor& o, at::Tensor& lse) {
+#ifdef SRT_LITE_HAVE_AMX
+  const int64_t N = k_buf.size(0), Hkv = k_buf.size(1), D = k_buf.size(2);
+  if (!supported() || q.scalar_type() != at::kBFloat16 || k_buf.scalar_type() != at::kBFloat16 || D % 32 != 0 ||
+      D > 256 || prefix_len <= 0 || T <= 0) {
+    return false;
+  }
+  TORCH_CHECK(k_buf.is_contiguous() && v_buf.is_contiguous() && v_buf.sizes() == k_buf.sizes() &&
+                  v_buf.scalar_type() == at::kBFloat16,
+              "prefix_attention: KV buffers must be contiguous bf16 [N, Hkv, D]");
+  TORCH_CHECK(q.dim() == 2 && q.size(0) >= T && q.size(1) == Hkv * G * D && q.stride(1) == 1,
+              "prefix_attention: q must be [>= T, H * D] with contiguous rows");
+  const int64_t* index = nullptr;
+  if (prefix_start >= 0) {
+    TORCH_CHECK(prefix_start + prefix_len <= N, "prefix_attention: prefix slots past the buffer");
+  } else {
+    TORCH_CHECK(prefix_index.scalar_type() == at::kLong && prefix_index.dim() == 1 && prefix_index.is_contiguous() &&
+                    prefix_index.size(0) >= prefix_len,
+                "prefix_attention: prefix_index must be a contiguous int64 [>= prefix_len]");
+    index = prefix_index.data_ptr<int64_t>();
+    for (int64_t j = 0; j < prefix_len; ++j) {
+      TORCH_CHECK(index[j] >= 0 && index[j] < N, "prefix_attention: slot id ", index[j], " out of range [0, ", N, ")");
+    }
+  }
+  const int64_t M = T * G, Mpad = (M + 15) / 16 * 16;
+  // qh [Hkv, Mpad, D]: query t * G + g of KV head h is head h * G + g of token t; pad rows 0.
+  at::Tensor qh = at::zeros({Hkv, Mpad, D}, q.options().memory_format(at::MemoryFormat::Contiguous));
+  const auto* qp = reinterpret_cast<const uint16_t*>(q.data_ptr<c10::BFloat16>());
+  auto* qhp = reinterpret_cast<uint16_t*>(qh.data_ptr<c10::BFloat16>());
+  for (int64_t h = 0; h < Hkv; ++h) {
+    for (int64_t t = 0; t < T; ++t) {
+      std::memcpy(qhp + (h * Mpad + t * G) * D, qp + t * q.stride(0) + h * G * D, G * D * sizeof(uint16_t));
+    }
+  }
+  // Chunks: about eight tasks a thread, whole key blocks.
+  const int64_t threads = at::get_num_threads();
+  int64_t lc = (prefix_len * Hkv + 8 * threads - 1) / (8 * threads);
+  lc = std::clamp((lc + kKeyBlock - 1) / kKeyBlock * kKeyBlock, kMinChunkKeys, kMaxChunkKeys);
+  const int64_t chunks = (prefix_len + lc - 1) / lc;
+  auto f32 = q.options().dtype(at::kFloat);
+  at::Tensor part_acc = at::empty({Hkv, chunks, Mpad, D}, f32);  // [Hkv, chunks, Mpad, D] unnormalised outputs
+  at::Tensor part_ml = at::empty({Hkv, chunks, 2, Mpad}, f32);   // [Hkv, chunks, (max, exp-sum), Mpad]
+  float* acc = part_acc.data_ptr<float>();
+  float* ml = part_ml.data_ptr<float>();
+  const auto* kb = reinterpret_cast<const uint16_t*>(k_buf.data_ptr<c10::BFloat16>());
+  const auto* vb = reinterpret_cast<const uint16_t*>(v_buf.data_ptr<c10::BFloat16>());
+  const float fscale = static_cast<float>(scale);
+  at::parallel_for(0, Hkv * chunks, 1, [&](int64_t begin, int64_t end) {
+    static thread_local std::vector<uint16_t> kt, vv, p;
+    static thread_local std::vector<float> s;
+    kt.resize(lc * D);           // [lc / 16, D / 32, 16, 32] K^T tiles
+    vv.resize(lc * D);           // [lc / 32, D / 16, 16, 32] V tiles
+    s.resize(kQueryBlock * lc);  // [32, lc] scores
+    p.resize(kQueryBlock * lc);  // [32, lc] probabilities
+    configure();
+    for (int64_t task = begin; task < end; ++task) {
+      const int64_t h = task / chunks, c = task % chunks;
+      const Chunk ch{kb + h * D, vb + h * D, index, prefix_start, Hkv * D, c * lc, std::min(lc, prefix_len - c * lc), D};
+      const int64_t np = (ch.n + kKeyBlock - 1) / kKeyBlock * kKeyBlock, nb = np / kKeyBlock;
+      pack_keys(ch, np, kt.data());
+      pack_values(ch, np, vv.data());
+      float* m = ml + (h * chunks + c) * 2 * Mpad;
+      for (int64_t q0 = 0; q0 < Mpad; q0 += kQueryBlock) {
+        const uint16_t* qb = qhp + (h * Mpad + q0) * D;
+        float* ab = acc + ((h * chunks + c) * Mpad + q0) * D;
+        const bool two = Mpad - q0 > 16;
+        if (two) {
+          scores<2>(qb, D, kt.data(), nb, s.data(), lc);
+        } else {
+          scores<1>(qb, D, kt.data(), nb, s.data(), lc);
+        }
+        softmax_rows(s.data(), lc, ch.n, np, std::min(kQueryBlock, M - q0), fscale, p.data(), lc, m + q0, m + Mpad + q0);
+        if (two) {
+          values<2>(p.data(), lc, vv.data(), nb, D, ab);
+        } else {
+          values<1>(p.data(), lc, vv.data(), nb, D, ab);
+        }
+      }
+    }
+    release_tiles();
+  });
+  // Merge the chunks: o [1, Hkv, M, D] fp32 and lse [1, Hkv, M] of the scaled scores, as
+  // flash attention returns them.
+  o = at::empty({1, Hkv, M, D}, f32);
+  lse = at::empty({1, Hkv, M}, f32);
+  float* op = o.data_ptr<float>();
+  float* lp = lse.data_ptr<float>();
+  at::parallel_for(0, Hkv * M, 16, [&](int64_t begin, int64_t end) {
+    std::vector<float> w(chunks);
+    for (int64_t hr = begin; hr < end; ++hr) {
+      const int64_t h = hr / M, r = hr % M;
+      float mx = -std::numeric_limits<float>::infinity();
+      for (int64_t c = 0; c < chunks; ++c) mx = std::max(mx, ml[(h * chunks + c) * 2 * Mpad + r]);
+      float total = 0.f;
+      for (int64_t c = 0; c < chunks; ++c) {
+        const float* mc = ml + (h * chunks + c) * 2 * Mpad;
+        w[c] = std::exp(mc[r] - mx);
+        total += w[c] * mc[Mpad + r];
+      }
+      float* dst = op + hr * D;
+      std::memset(dst, 0, D * sizeof(float));
+      for (int64_t c = 0; c < chunks; ++c) {
+        const float wc = w[c] / total;
+        const float* src = acc + ((h * chunks + c) * Mpad + r) * D;
+        for (int64_t d = 0; d < D; ++d) dst[d] += wc * src[d];
+      }
+      lp[hr] = mx + std::log(total);
+    }
+  });
+  return true;
+#else
+  (void)q, (void)T, (void)G, (void)k_buf, (void)v_buf, (void)prefix_start, (void)prefix_len, (void)prefix_index,
+      (void)scale, (void)o, (void)lse;
+  return false;
+#endif
+}
+
+}  // namespace srt_lite_amx
+
+namespace {
+
+// The kernel as an op of its own, for tests: (o [1, Hkv, T * G, D] fp32, lse [1, Hkv, T * G]).
+std::tuple<at::Tensor, at::Tensor> amx_prefix_attention(const at::Tensor& q, int64_t T, int64_t G, const at::Tensor& k_buf,
+                                                        const at::Tensor& v_buf, int64_t prefix_start, int64_t prefix_len,
+                                                        const at::Tensor& prefix_index, double scale) {
+  TORCH_CHECK(k_buf.dim() == 3, "amx_prefix_attention: KV buffers must be [N, Hkv, D]");
+  at::Tensor o, lse;
+  TORCH_CHECK(srt_lite_amx::prefix_attention(q, T, G, k_buf, v_buf, prefix_start, prefix_len, prefix_index, scale, o, lse),
+              "amx_prefix_attention: needs AMX, bf16 and head_dim a multiple of 32 up to 256, and a prefix");
+  return {o, lse};
+}
+
+}  // namespace
+
+TORCH_LIBRARY_FRAGMENT(srt_lite_cpu, m) {
+  m.def("amx_prefix_attention(Tensor q, int T, int G, Tensor k_buf, Tensor v_buf, int prefix_start, int prefix_len, "
+        "Tensor prefix_index, float scale) -> (Tensor, Tensor)");
+}
+
+TORCH_LIBRARY_IMPL(srt_lite_cpu, CPU, m) { m.impl("amx_prefix_attention", &amx_prefix_attention); }
