@@ -603,14 +603,24 @@ def _prefix_reference(q, T, G, k_buf, v_buf, slots, scale):
     return torch.softmax(s, -1) @ V, torch.logsumexp(s, -1)
 
 
-@AMX
+# The shared-prefix kernel's two ways: AMX tiles, AVX512-BF16 vectors.
+PREFIX_KERNELS = [
+    pytest.param(True, id="tiles", marks=AMX),
+    pytest.param(False, id="vectors", marks=pytest.mark.skipif(
+        not cpu_kernels.bf16_dots_available(), reason="bf16 dot products need AVX512-BF16, uncapped")),
+]
+
+
+@pytest.mark.parametrize("tiles", PREFIX_KERNELS)
 @pytest.mark.parametrize("kv_heads,group,head_dim", [(3, 3, 64), (8, 4, 64), (2, 7, 128), (1, 2, 256), (4, 1, 32)])
 @pytest.mark.parametrize("prefix_len", [1, 100, 1100])
 @pytest.mark.parametrize("contiguous", [True, False])
-def test_amx_prefix_attention_matches_softmax_and_ignores_the_batch(kv_heads, group, head_dim, prefix_len, contiguous):
-    """The AMX shared-prefix kernel against float64 attention: one key, a ragged key block,
+def test_prefix_attention_matches_softmax_and_ignores_the_batch(tiles, kv_heads, group, head_dim, prefix_len,
+                                                                contiguous):
+    """The shared-prefix kernel against float64 attention: one key, a ragged key block,
     several key chunks; slots in a run or scattered; 1 to 77 queries per KV head (one tile,
-    two, a ragged third). Each query's result is the same alone as in a batch."""
+    two, a ragged third; rows of 8 and 4 in vectors). Each query's result is the same alone
+    as in a batch."""
     g = torch.Generator().manual_seed(kv_heads * head_dim + prefix_len + contiguous)
     k_buf = torch.randn(2048, kv_heads, head_dim, generator=g).bfloat16()
     v_buf = torch.randn(2048, kv_heads, head_dim, generator=g).bfloat16()
@@ -619,10 +629,10 @@ def test_amx_prefix_attention_matches_softmax_and_ignores_the_batch(kv_heads, gr
     start = 300 if contiguous else -1
     slots = torch.arange(start, start + prefix_len) if contiguous else index
     scale = head_dim ** -0.5
-    op = torch.ops.srt_lite_cpu.amx_prefix_attention
+    op = torch.ops.srt_lite_cpu.prefix_attention
     outs = {}
     for T in (1, 11):
-        o, lse = op(q, T, group, k_buf, v_buf, start, prefix_len, index, scale)
+        o, lse = op(q, T, group, k_buf, v_buf, start, prefix_len, index, scale, tiles)
         assert o.dtype == lse.dtype == torch.float32 and o.shape == (1, kv_heads, T * group, head_dim)
         ro, rl = _prefix_reference(q, T, group, k_buf, v_buf, slots, scale)
         err = ((o[0].double() - ro).abs().max() / ro.abs().max()).item()
@@ -632,23 +642,56 @@ def test_amx_prefix_attention_matches_softmax_and_ignores_the_batch(kv_heads, gr
     assert torch.equal(outs[1][0], outs[11][0][:, :group]) and torch.equal(outs[1][1], outs[11][1][:, :group])
 
 
-@AMX
-def test_amx_prefix_attention_rejects_what_it_cannot_take():
+@pytest.mark.parametrize("tiles", PREFIX_KERNELS)
+def test_prefix_attention_rejects_what_it_cannot_take(tiles):
     k_buf = torch.randn(64, 2, 64).bfloat16()
     q = torch.randn(2, 4 * 64).bfloat16()
-    op = torch.ops.srt_lite_cpu.amx_prefix_attention
+    op = torch.ops.srt_lite_cpu.prefix_attention
     none = torch.empty(0, dtype=torch.int64)
-    with pytest.raises(RuntimeError, match="needs AMX, bf16"):
-        op(q.float(), 2, 2, k_buf.float(), k_buf.float(), 0, 10, none, 0.1)
-    with pytest.raises(RuntimeError, match="needs AMX, bf16"):  # head_dim 48 is not whole tiles
+    with pytest.raises(RuntimeError, match="bf16, head_dim"):
+        op(q.float(), 2, 2, k_buf.float(), k_buf.float(), 0, 10, none, 0.1, tiles)
+    with pytest.raises(RuntimeError, match="bf16, head_dim"):  # head_dim 48 is not whole tiles
         op(torch.randn(2, 4 * 48).bfloat16(), 2, 2, torch.randn(64, 2, 48).bfloat16(), torch.randn(64, 2, 48).bfloat16(),
-           0, 10, none, 0.1)
+           0, 10, none, 0.1, tiles)
     with pytest.raises(RuntimeError, match="past the buffer"):
-        op(q, 2, 2, k_buf, k_buf, 60, 10, none, 0.1)
+        op(q, 2, 2, k_buf, k_buf, 60, 10, none, 0.1, tiles)
     with pytest.raises(RuntimeError, match="out of range"):
-        op(q, 2, 2, k_buf, k_buf, -1, 2, torch.tensor([3, 64]), 0.1)
+        op(q, 2, 2, k_buf, k_buf, -1, 2, torch.tensor([3, 64]), 0.1, tiles)
     with pytest.raises(RuntimeError, match="prefix_index must be"):
-        op(q, 2, 2, k_buf, k_buf, -1, 3, torch.tensor([3, 4]), 0.1)
+        op(q, 2, 2, k_buf, k_buf, -1, 3, torch.tensor([3, 4]), 0.1, tiles)
+
+
+@pytest.mark.parametrize("tiles", PREFIX_KERNELS)
+def test_prefix_kernels_follow_the_allowed_caps(tiles):
+    """A kernel SRT_LITE_CPU_CAPS takes away (allow_prefix_kernels, set at load) is refused,
+    and the cascade op then attends its prefix with flash attention, to the same result."""
+    Hkv, G, D, Lp = 2, 3, 64, 300
+    g = torch.Generator().manual_seed(5)
+    k_buf = torch.randn(512, Hkv, D, generator=g).bfloat16()
+    v_buf = torch.randn(512, Hkv, D, generator=g).bfloat16()
+    q = torch.randn(4, Hkv * G * D, generator=g).bfloat16()
+    none = torch.empty(0, dtype=torch.int64)
+    t = lambda x: torch.tensor(x, dtype=torch.int64)  # noqa: E731
+    empty = torch.empty(0, Hkv * D).bfloat16()  # KV stored already
+
+    def cascade():
+        out = torch.empty(4, Hkv * G * D).bfloat16()
+        torch.ops.srt_lite_cpu.cascade_attention(
+            q, empty, empty, k_buf, v_buf, t([400, 401, 402, 403]), t([400, 401, 402, 403]), t([0, 1, 2, 3, 4]),
+            t([0, 1, 2, 3, 4]), 0, Lp, none, Hkv * G, D ** -0.5, out)
+        return out
+
+    ours = cascade()
+    caps = cpu_caps.get()
+    try:
+        torch.ops.srt_lite_cpu.allow_prefix_kernels(False, False)
+        with pytest.raises(RuntimeError, match="allowed by SRT_LITE_CPU_CAPS"):
+            torch.ops.srt_lite_cpu.prefix_attention(q, 4, G, k_buf, v_buf, 0, Lp, none, 0.1, tiles)
+        flash = cascade()
+    finally:
+        torch.ops.srt_lite_cpu.allow_prefix_kernels(caps.amx_bf16, caps.avx512_bf16)
+    assert not torch.equal(ours, flash)  # another kernel ran
+    torch.testing.assert_close(ours.float(), flash.float(), rtol=2e-2, atol=2e-2)
 
 
 # The three ways the prompt op computes: fp32, bf16 widened to fp32, bf16 dot products.

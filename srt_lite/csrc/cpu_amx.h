@@ -1,4 +1,4 @@
-// What the AMX kernels (cpu_amx_linear.cpp, cpu_amx_attention.cpp) share: whether the tiles
+// What the AMX kernels (cpu_amx_linear.cpp, cpu_prefix_attention.cpp) share: whether the tiles
 // may be used here, and the tile configuration.
 #pragma once
 
@@ -57,13 +57,5 @@ inline bool supported() {
   return false;
 #endif
 }
-
-// Softmax attention of every query of a cascade step over the prefix all its rows share
-// (cpu_amx_attention.cpp). Returns false, computing nothing, where the AMX kernel does not
-// apply (no AMX, not bf16, head_dim not a multiple of 32 or over 256); the caller then
-// takes torch's flash attention.
-bool prefix_attention(const at::Tensor& q, int64_t T, int64_t G, const at::Tensor& k_buf, const at::Tensor& v_buf,
-                      int64_t prefix_start, int64_t prefix_len, const at::Tensor& prefix_index, double scale,
-                      at::Tensor& o, at::Tensor& lse);
 
 }  // namespace srt_lite_amx

@@ -1,8 +1,8 @@
 // CPU attention for the torch_native backend's hottest path, one call per layer and step.
 //
 // A decode or verify step whose rows share a long prefix (many requests on one common
-// prompt) runs cascade attention in every layer: store the new tokens' K/V, one
-// flash-attention call for the shared prefix (all queries as one sequence), each row's own
+// prompt) runs cascade attention in every layer: store the new tokens' K/V, one attention
+// over the shared prefix (all queries as one sequence), each row's own
 // suffix attended exactly, and a log-sum-exp merge. Written with torch's Python ops
 // (layers/attention/cascade.py, TokenCascadePlan, which attends the suffixes as one masked
 // sequence) that is dozens of calls a layer whose dispatch costs more than their work when
@@ -25,7 +25,7 @@
 #include <mutex>
 #include <vector>
 
-#include "cpu_amx.h"
+#include "cpu_prefix_attention.h"
 
 namespace {
 
@@ -239,7 +239,7 @@ void suffix_row(
   const T* qp = q.data_ptr<T>();
   T* op = out.data_ptr<T>();
   // No prefix part (a batch of rows with nothing shared): the suffix is all there is.
-  // o_pre is fp32 (the AMX prefix kernel) or T (flash attention).
+  // o_pre is fp32 (srt_lite_prefix::attention) or T (flash attention).
   const bool pre_f32 = o_pre.defined() && o_pre.scalar_type() == at::kFloat;
   const void* pre = o_pre.defined() ? o_pre.data_ptr() : nullptr;
   const float* lse = lse_pre.defined() ? lse_pre.data_ptr<float>() : nullptr;
@@ -319,9 +319,10 @@ void cascade_attention(
   // Prefix: every query (row t * G + g of KV head h is head h * G + g of token t) sees it all.
   // Without one (prefix_len 0: decode rows that share nothing) the rows' own keys are all.
   at::Tensor o_pre, lse_pre;
-  // AMX CPUs with bf16 KV take the tiles' kernel (fp32 output); the others flash attention.
-  if (prefix_len > 0 && !srt_lite_amx::prefix_attention(q, T, G, k_buf, v_buf, prefix_start, prefix_len, prefix_index,
-                                                        scale, o_pre, lse_pre)) {
+  // CPUs with bf16 products in hardware (AMX, AVX512-BF16) and bf16 KV take our kernel (fp32
+  // output); the others flash attention.
+  if (prefix_len > 0 && !srt_lite_prefix::attention(q, T, G, k_buf, v_buf, prefix_start, prefix_len, prefix_index,
+                                                    scale, o_pre, lse_pre)) {
     at::Tensor q_seq = q.narrow(0, 0, T).view({T, Hkv, G, D}).transpose(0, 1).reshape({1, Hkv, T * G, D});
     at::Tensor k_pre, v_pre;
     if (prefix_start >= 0) {

@@ -26,10 +26,10 @@ logger = logging.getLogger(__name__)
 
 _CSRC = os.path.join(os.path.dirname(os.path.dirname(__file__)), "csrc")
 SOURCES = [os.path.join(_CSRC, name) for name in ("cpu_attention.cpp", "cpu_prompt_attention.cpp", "cpu_linear.cpp",
-                                                  "cpu_amx_linear.cpp", "cpu_amx_attention.cpp",
+                                                  "cpu_amx_linear.cpp", "cpu_prefix_attention.cpp",
                                                   "cpu_norm_rope.cpp")]
 # Headers the sources include: not compiled on their own, but part of the build's identity.
-HEADERS = [os.path.join(_CSRC, "cpu_amx.h")]
+HEADERS = [os.path.join(_CSRC, name) for name in ("cpu_amx.h", "cpu_prefix_attention.h")]
 _loaded: bool | None = None
 # Compiler flags by CPU level (srt_lite.cpu_caps), so at::vec in the sources gets the vector
 # width ATen's own kernels use on this CPU (as ATen builds its AVX2 and AVX-512 kernels).
@@ -74,6 +74,10 @@ def _build() -> bool:
         reason = str(e).splitlines()[0] if str(e) else type(e).__name__
         logger.warning("C++ CPU kernels unavailable, using torch ops (%s)", reason)
         return False
+    # The one kernel that picks its instructions in C++ (the cascade's shared prefix) hears
+    # what SRT_LITE_CPU_CAPS leaves it.
+    caps = cpu_caps.get()
+    torch.ops.srt_lite_cpu.allow_prefix_kernels(caps.amx_bf16, caps.avx512_bf16)
     logger.info("C++ CPU kernels (%s) loaded in %.1f s", level, time.perf_counter() - t0)
     return True
 

@@ -1,19 +1,23 @@
-// srt_lite_amx::prefix_attention: the shared-prefix part of a cascade step (cpu_attention.cpp)
-// on AMX tiles, for bf16 KV.
+// srt_lite_prefix::attention: the shared-prefix part of a cascade step (cpu_attention.cpp),
+// for bf16 KV, on AMX tiles or, without them, AVX512-BF16 vectors.
 //
 // Every query of the step (T tokens x G query heads per KV head) attends to the same prefix
 // keys, so the work is two small matrix products per KV head, S = Q . K^T and O = P . V,
 // over keys that are read once for all queries. torch's flash attention makes one task per
 // KV head (too few for the threads at a model's 2-8 KV heads) and multiplies in fp32
 // vectors; here the prefix is split into key chunks, one task per (KV head, chunk), whose
-// partial softmax sums are merged by log-sum-exp afterwards, and both products run on the
-// tiles.
+// partial softmax sums are merged by log-sum-exp afterwards, and both products take bf16
+// pairs in hardware.
 //
 // Tiles take their B operand in pairs of k: K^T's pairs are two adjacent head-dim elements of
 // each key (a 16 x 16 transpose of 32-bit words of 16 keys), V's are the same element of
 // two adjacent keys (an interleave of two key rows). Both are built per chunk in the task's
-// scratch, so the keys may lie anywhere in the pool. The scores are fp32; the probabilities
-// take bf16 for P . V, as in flash attention's bf16 kernels, and their sum stays fp32.
+// scratch, so the keys may lie anywhere in the pool. A tile row is also what vdpbf16ps takes
+// as one operand (16 lanes of a bf16 pair), so the vector kernels read the same packing,
+// with the other operand's pair broadcast. The scores are fp32; the probabilities take
+// bf16 for P . V, as in flash attention's bf16 kernels, and their sum stays fp32.
+
+#include "cpu_prefix_attention.h"
 
 #include "cpu_amx.h"
 
@@ -29,10 +33,17 @@
 #include <tuple>
 #include <vector>
 
-namespace srt_lite_amx {
+namespace srt_lite_prefix {
 namespace {
 
+bool tiles_allowed = true, vectors_allowed = true;  // allow_kernels
+
+// The kernels need AVX-512 builds of GCC 11+ (SRT_LITE_HAVE_AMX), vectors as well as tiles.
 #ifdef SRT_LITE_HAVE_AMX
+using srt_lite_amx::load_config;
+using srt_lite_amx::release_tiles;
+using srt_lite_amx::TileConfig;
+
 constexpr int64_t kTileWords = 512;   // bf16 elements of one 16 x 64-byte tile
 constexpr int64_t kKeyBlock = 32;     // keys of one P . V tile step (16 key pairs)
 constexpr int64_t kQueryBlock = 32;   // queries per pass over a chunk: two tiles of 16 rows
@@ -194,6 +205,68 @@ __attribute__((target("amx-tile,amx-bf16"))) void values(const uint16_t* p, int6
   }
 }
 
+// Without tiles: the same operands through vdpbf16ps. pair(x) broadcasts x[0], x[1] (a bf16
+// pair) to every lane; a packed tile row is 16 lanes of pairs of the other operand.
+__attribute__((target("avx512f,avx512bf16"))) inline __m512bh pair(const uint16_t* x) {
+  int32_t w;
+  std::memcpy(&w, x, sizeof(w));
+  return (__m512bh)_mm512_set1_epi32(w);
+}
+
+// s [R, ls] fp32 = q [R, D] . K^T over the chunk's nb key blocks (kt), R query rows at a
+// time against a block's two 16-key tiles: 2R accumulators, two key loads a pair.
+template <int R>
+__attribute__((target("avx512f,avx512bf16"))) void scores_vec(const uint16_t* q, int64_t D, const uint16_t* kt,
+                                                             int64_t nb, float* s, int64_t ls) {
+  const int64_t dts = D / 32;
+  for (int64_t b = 0; b < nb; ++b) {
+    __m512 lo[R], hi[R];  // keys 32b .. 32b + 15, 32b + 16 .. 32b + 31
+    for (int r = 0; r < R; ++r) lo[r] = hi[r] = _mm512_setzero_ps();
+    for (int64_t dt = 0; dt < dts; ++dt) {
+      const uint16_t* t0 = kt + (2 * b * dts + dt) * kTileWords;
+      const uint16_t* t1 = kt + ((2 * b + 1) * dts + dt) * kTileWords;
+      for (int i = 0; i < 16; ++i) {
+        const __m512bh k0 = (__m512bh)_mm512_loadu_si512(t0 + i * 32);
+        const __m512bh k1 = (__m512bh)_mm512_loadu_si512(t1 + i * 32);
+        for (int r = 0; r < R; ++r) {
+          const __m512bh a = pair(q + r * D + dt * 32 + 2 * i);
+          lo[r] = _mm512_dpbf16_ps(lo[r], a, k0);
+          hi[r] = _mm512_dpbf16_ps(hi[r], a, k1);
+        }
+      }
+    }
+    for (int r = 0; r < R; ++r) {
+      _mm512_storeu_ps(s + r * ls + b * kKeyBlock, lo[r]);
+      _mm512_storeu_ps(s + r * ls + b * kKeyBlock + 16, hi[r]);
+    }
+  }
+}
+
+// acc [R, D] columns 16 dt0 .. 16 (dt0 + C) fp32 = p [R, lp] . V over nb key blocks (vv):
+// R x C accumulators held over the whole chunk, C value loads a key pair.
+template <int R, int C>
+__attribute__((target("avx512f,avx512bf16"))) void values_vec(const uint16_t* p, int64_t lp, const uint16_t* vv,
+                                                             int64_t nb, int64_t D, int64_t dt0, float* acc) {
+  const int64_t dts = D / 16;
+  __m512 a[R][C];
+  for (int r = 0; r < R; ++r) {
+    for (int c = 0; c < C; ++c) a[r][c] = _mm512_setzero_ps();
+  }
+  for (int64_t b = 0; b < nb; ++b) {
+    for (int i = 0; i < 16; ++i) {
+      __m512bh v[C];
+      for (int c = 0; c < C; ++c) v[c] = (__m512bh)_mm512_loadu_si512(vv + ((b * dts + dt0 + c) * 16 + i) * 32);
+      for (int r = 0; r < R; ++r) {
+        const __m512bh pr = pair(p + r * lp + b * kKeyBlock + 2 * i);
+        for (int c = 0; c < C; ++c) a[r][c] = _mm512_dpbf16_ps(a[r][c], pr, v[c]);
+      }
+    }
+  }
+  for (int r = 0; r < R; ++r) {
+    for (int c = 0; c < C; ++c) _mm512_storeu_ps(acc + r * D + (dt0 + c) * 16, a[r][c]);
+  }
+}
+
 // For each of `rows` score rows (s, ls apart) over n keys (np with padding): the scaled
 // scores' max m[r] and exp-sum l[r] (fp32), and the probabilities exp(score - m) in bf16
 // into p (lp apart; zero past n).
@@ -225,15 +298,24 @@ __attribute__((target("avx512f,avx512bf16"))) void softmax_rows(float* s, int64_
 
 }  // namespace
 
-bool prefix_attention(const at::Tensor& q, int64_t T, int64_t G, const at::Tensor& k_buf, const at::Tensor& v_buf,
-                      int64_t prefix_start, int64_t prefix_len, const at::Tensor& prefix_index, double scale,
-                      at::Tensor& o, at::Tensor& lse) {
+void allow_kernels(bool tiles, bool vectors) {
+  tiles_allowed = tiles;
+  vectors_allowed = vectors;
+}
+
+bool attention(const at::Tensor& q, int64_t T, int64_t G, const at::Tensor& k_buf, const at::Tensor& v_buf,
+               int64_t prefix_start, int64_t prefix_len, const at::Tensor& prefix_index, double scale, at::Tensor& o,
+               at::Tensor& lse, Kernel kernel) {
 #ifdef SRT_LITE_HAVE_AMX
   const int64_t N = k_buf.size(0), Hkv = k_buf.size(1), D = k_buf.size(2);
-  if (!supported() || q.scalar_type() != at::kBFloat16 || k_buf.scalar_type() != at::kBFloat16 || D % 32 != 0 ||
-      D > 256 || prefix_len <= 0 || T <= 0) {
+  const bool can_tile = tiles_allowed && srt_lite_amx::supported();
+  const bool can_vec = vectors_allowed && __builtin_cpu_supports("avx512bf16");
+  if (kernel == Kernel::kAuto) kernel = can_tile ? Kernel::kTiles : Kernel::kVectors;
+  if (!(kernel == Kernel::kTiles ? can_tile : can_vec) || q.scalar_type() != at::kBFloat16 ||
+      k_buf.scalar_type() != at::kBFloat16 || D % 32 != 0 || D > 256 || prefix_len <= 0 || T <= 0) {
     return false;
   }
+  const bool tiles = kernel == Kernel::kTiles;
   TORCH_CHECK(k_buf.is_contiguous() && v_buf.is_contiguous() && v_buf.sizes() == k_buf.sizes() &&
                   v_buf.scalar_type() == at::kBFloat16,
               "prefix_attention: KV buffers must be contiguous bf16 [N, Hkv, D]");
@@ -281,7 +363,7 @@ bool prefix_attention(const at::Tensor& q, int64_t T, int64_t G, const at::Tenso
     vv.resize(lc * D);           // [lc / 32, D / 16, 16, 32] V tiles
     s.resize(kQueryBlock * lc);  // [32, lc] scores
     p.resize(kQueryBlock * lc);  // [32, lc] probabilities
-    configure();
+    if (tiles) configure();
     for (int64_t task = begin; task < end; ++task) {
       const int64_t h = task / chunks, c = task % chunks;
       const Chunk ch{kb + h * D, vb + h * D, index, prefix_start, Hkv * D, c * lc, std::min(lc, prefix_len - c * lc), D};
@@ -292,21 +374,35 @@ bool prefix_attention(const at::Tensor& q, int64_t T, int64_t G, const at::Tenso
       for (int64_t q0 = 0; q0 < Mpad; q0 += kQueryBlock) {
         const uint16_t* qb = qhp + (h * Mpad + q0) * D;
         float* ab = acc + ((h * chunks + c) * Mpad + q0) * D;
-        const bool two = Mpad - q0 > 16;
-        if (two) {
-          scores<2>(qb, D, kt.data(), nb, s.data(), lc);
-        } else {
-          scores<1>(qb, D, kt.data(), nb, s.data(), lc);
+        const int64_t real = std::min(kQueryBlock, M - q0);
+        if (tiles) {
+          const bool two = Mpad - q0 > 16;
+          if (two) {
+            scores<2>(qb, D, kt.data(), nb, s.data(), lc);
+          } else {
+            scores<1>(qb, D, kt.data(), nb, s.data(), lc);
+          }
+          softmax_rows(s.data(), lc, ch.n, np, real, fscale, p.data(), lc, m + q0, m + Mpad + q0);
+          if (two) {
+            values<2>(p.data(), lc, vv.data(), nb, D, ab);
+          } else {
+            values<1>(p.data(), lc, vv.data(), nb, D, ab);
+          }
+          continue;
         }
-        softmax_rows(s.data(), lc, ch.n, np, std::min(kQueryBlock, M - q0), fscale, p.data(), lc, m + q0, m + Mpad + q0);
-        if (two) {
-          values<2>(p.data(), lc, vv.data(), nb, D, ab);
-        } else {
-          values<1>(p.data(), lc, vv.data(), nb, D, ab);
+        // Vectors need no whole tiles: rows go 8 (scores) and 4 (values) at a time, and the
+        // rows past `real` up to a multiple of 8 are qh's zero padding.
+        const int64_t rows = (real + 7) / 8 * 8;
+        for (int64_t r = 0; r < rows; r += 8) scores_vec<8>(qb + r * D, D, kt.data(), nb, s.data() + r * lc, lc);
+        softmax_rows(s.data(), lc, ch.n, np, real, fscale, p.data(), lc, m + q0, m + Mpad + q0);
+        for (int64_t r = 0; r < real; r += 4) {
+          int64_t dt = 0;
+          for (; dt + 4 <= D / 16; dt += 4) values_vec<4, 4>(p.data() + r * lc, lc, vv.data(), nb, D, dt, ab + r * D);
+          if (dt < D / 16) values_vec<4, 2>(p.data() + r * lc, lc, vv.data(), nb, D, dt, ab + r * D);
         }
       }
     }
-    release_tiles();
+    if (tiles) release_tiles();
   });
   // Merge the chunks: o [1, Hkv, M, D] fp32 and lse [1, Hkv, M] of the scaled scores, as
   // flash attention returns them.
@@ -339,31 +435,42 @@ bool prefix_attention(const at::Tensor& q, int64_t T, int64_t G, const at::Tenso
   return true;
 #else
   (void)q, (void)T, (void)G, (void)k_buf, (void)v_buf, (void)prefix_start, (void)prefix_len, (void)prefix_index,
-      (void)scale, (void)o, (void)lse;
+      (void)scale, (void)o, (void)lse, (void)kernel;
   return false;
 #endif
 }
 
-}  // namespace srt_lite_amx
+}  // namespace srt_lite_prefix
 
 namespace {
 
-// The kernel as an op of its own, for tests: (o [1, Hkv, T * G, D] fp32, lse [1, Hkv, T * G]).
-std::tuple<at::Tensor, at::Tensor> amx_prefix_attention(const at::Tensor& q, int64_t T, int64_t G, const at::Tensor& k_buf,
-                                                        const at::Tensor& v_buf, int64_t prefix_start, int64_t prefix_len,
-                                                        const at::Tensor& prefix_index, double scale) {
-  TORCH_CHECK(k_buf.dim() == 3, "amx_prefix_attention: KV buffers must be [N, Hkv, D]");
+// The kernel as an op of its own, for tests: (o [1, Hkv, T * G, D] fp32, lse [1, Hkv, T * G])
+// from the tiles (tiles true) or the vectors.
+std::tuple<at::Tensor, at::Tensor> prefix_attention(const at::Tensor& q, int64_t T, int64_t G, const at::Tensor& k_buf,
+                                                    const at::Tensor& v_buf, int64_t prefix_start, int64_t prefix_len,
+                                                    const at::Tensor& prefix_index, double scale, bool tiles) {
+  TORCH_CHECK(k_buf.dim() == 3, "prefix_attention: KV buffers must be [N, Hkv, D]");
   at::Tensor o, lse;
-  TORCH_CHECK(srt_lite_amx::prefix_attention(q, T, G, k_buf, v_buf, prefix_start, prefix_len, prefix_index, scale, o, lse),
-              "amx_prefix_attention: needs AMX, bf16 and head_dim a multiple of 32 up to 256, and a prefix");
+  const auto kernel = tiles ? srt_lite_prefix::Kernel::kTiles : srt_lite_prefix::Kernel::kVectors;
+  TORCH_CHECK(srt_lite_prefix::attention(q, T, G, k_buf, v_buf, prefix_start, prefix_len, prefix_index, scale, o, lse,
+                                         kernel),
+              "prefix_attention: needs ", tiles ? "AMX" : "AVX512-BF16",
+              " (allowed by SRT_LITE_CPU_CAPS), bf16, head_dim a multiple of 32 up to 256, and a prefix");
   return {o, lse};
 }
+
+void allow_prefix_kernels(bool tiles, bool vectors) { srt_lite_prefix::allow_kernels(tiles, vectors); }
 
 }  // namespace
 
 TORCH_LIBRARY_FRAGMENT(srt_lite_cpu, m) {
-  m.def("amx_prefix_attention(Tensor q, int T, int G, Tensor k_buf, Tensor v_buf, int prefix_start, int prefix_len, "
-        "Tensor prefix_index, float scale) -> (Tensor, Tensor)");
+  m.def("prefix_attention(Tensor q, int T, int G, Tensor k_buf, Tensor v_buf, int prefix_start, int prefix_len, "
+        "Tensor prefix_index, float scale, bool tiles) -> (Tensor, Tensor)");
+  m.def("allow_prefix_kernels(bool tiles, bool vectors) -> ()");
 }
 
-TORCH_LIBRARY_IMPL(srt_lite_cpu, CPU, m) { m.impl("amx_prefix_attention", &amx_prefix_attention); }
+TORCH_LIBRARY_IMPL(srt_lite_cpu, CPU, m) { m.impl("prefix_attention", &prefix_attention); }
+
+TORCH_LIBRARY_IMPL(srt_lite_cpu, CompositeExplicitAutograd, m) {
+  m.impl("allow_prefix_kernels", &allow_prefix_kernels);
+}
