@@ -12,6 +12,9 @@ import httpx
 from server_utils import LoggedProcess, ServerProcess
 from srt_lite.utils import get_free_port
 
+# The router colours its log even into a file, whatever NO_COLOR says.
+_ANSI = re.compile(r"\x1b\[[0-9;]*m")
+
 # Health checks every second and one failure marks a worker unhealthy: the router notices a
 # dead worker within about two seconds instead of its defaults' minutes (60 s, 3 failures).
 FAST_HEALTH_CHECKS = ("--health-check-interval-secs", "1", "--health-failure-threshold", "1")
@@ -29,8 +32,7 @@ class RouterProcess(LoggedProcess):
             "--prometheus-host", "127.0.0.1", "--prometheus-port", str(get_free_port()),
             "--worker-urls", *worker_urls, "--policy", policy, *args,
         ]
-        # The router colours its log levels only on a terminal; NO_COLOR keeps the file plain.
-        super().__init__(cmd, f"router_{self.port}", {"NO_COLOR": "1"})
+        super().__init__(cmd, f"router_{self.port}")
 
     def __enter__(self) -> "RouterProcess":
         return self.wait_ready()
@@ -38,21 +40,29 @@ class RouterProcess(LoggedProcess):
     def __exit__(self, *exc) -> None:
         self.stop()
 
-    def wait_ready(self, timeout: float = 60.0) -> "RouterProcess":
+    def wait_ready(self, timeout: float = 120.0) -> "RouterProcess":
         """Until every worker is registered and healthy (registration runs in the background
         after the router starts listening)."""
         deadline = time.monotonic() + timeout
+        seen: object = None
         while time.monotonic() < deadline:
             if self.proc.poll() is not None:
                 raise RuntimeError(f"router exited with {self.proc.returncode}:\n{self.read_log()}")
             try:
-                healthy = [w["url"] for w in self.workers() if w["is_healthy"]]
+                seen = self.workers()
+                healthy = [w["url"] for w in seen if w["is_healthy"]]
                 if sorted(healthy) == sorted(self.worker_urls):
                     return self
-            except (httpx.HTTPError, ValueError, KeyError):
-                pass
-            time.sleep(0.25)
-        raise TimeoutError(f"router not ready:\n{self.read_log()}")
+            except (httpx.HTTPError, ValueError, KeyError) as e:
+                seen = repr(e)
+            time.sleep(0.5)
+        raise TimeoutError(f"router not ready after {timeout} s; /workers said {seen}\n{self.log_without_polls()}")
+
+    def log_without_polls(self) -> str:
+        """The router's log, colour codes removed, less the lines of our own /workers polls,
+        which would bury the registration steps' outcome."""
+        lines = _ANSI.sub("", self.read_log()).splitlines()
+        return "\n".join(line for line in lines if "uri=/workers " not in line)
 
     def workers(self) -> list[dict]:
         return httpx.get(self.base_url + "/workers", timeout=5).json()["workers"]
@@ -64,7 +74,7 @@ class RouterProcess(LoggedProcess):
             if any(w["url"] == url and not w["is_healthy"] for w in self.workers()):
                 return time.monotonic() - t0
             time.sleep(0.1)
-        raise TimeoutError(f"the router still routes to {url} after {timeout} s:\n{self.read_log()[-3000:]}")
+        raise TimeoutError(f"the router still routes to {url} after {timeout} s:\n{self.log_without_polls()[-3000:]}")
 
 
 def start_workers(n: int, *args: str, env: dict | None = None) -> list[ServerProcess]:
