@@ -123,10 +123,11 @@ inline Vec load_vec(const c10::BFloat16* p) {
 // accumulators plus the loaded vectors fit AVX-512's 32 registers.
 constexpr int64_t kQRows = 4;
 constexpr int64_t kVChunk = 4;  // head-dim vectors of V accumulated at once
-// Keys ahead whose K or V lines are prefetched: a row's slots are scattered through the
+// Keys ahead whose K and V lines are prefetched: a row's slots are scattered through the
 // pool, so the hardware prefetcher cannot see the next key coming, and a decode step's
-// keys come from memory, not cache.
-constexpr int64_t kPrefetchKeys = 16;
+// keys come from memory, not cache. With V asked for in the same pass, 32 keys ahead beat
+// 16 and 64 (docs/development.md).
+constexpr int64_t kPrefetchKeys = 32;
 
 // Asks for the `bytes` at p (one key's head) ahead of their use.
 inline void prefetch_head(const void* p, int64_t bytes) {
@@ -145,8 +146,7 @@ void value_chunk(const T* vb, const int64_t* slots, int64_t row_stride, int64_t 
     for (int64_t c = 0; c < NV; ++c) a[r][c] = Vec(0.f);
   }
   for (int64_t j = 0; j < n; ++j) {
-    const T* vj = vb + slots[j] * row_stride;
-    if (j + kPrefetchKeys < n) prefetch_head(vb + slots[j + kPrefetchKeys] * row_stride, NV * W * sizeof(T));
+    const T* vj = vb + slots[j] * row_stride;  // prefetched by the score pass
     Vec v[NV];
     for (int64_t c = 0; c < NV; ++c) v[c] = load_vec(vj + c * W);
     for (int64_t r = 0; r < QR; ++r) {
@@ -172,9 +172,20 @@ void attend_queries(const float* const* qf, const int64_t* n, const T* kb, const
   const float neg_inf = -std::numeric_limits<float>::infinity();
   int64_t nmax = 0;
   for (int64_t r = 0; r < QR; ++r) nmax = std::max(nmax, n[r]);
+  // Each key's K and V lines are asked for kPrefetchKeys keys ahead of the score pass, the
+  // first ones all at once before it: a task's keys start cold, and waiting on them one by
+  // one at the start of both passes cost as much as the arithmetic of all the rest. The
+  // value pass then reads V from cache (a task's V is at most a few hundred KB).
+  for (int64_t j = 0; j < std::min(nmax, kPrefetchKeys); ++j) {
+    prefetch_head(kb + slots[j] * row_stride, D * sizeof(T));
+    prefetch_head(vb + slots[j] * row_stride, D * sizeof(T));
+  }
   for (int64_t j = 0; j < nmax; ++j) {
     const T* kj = kb + slots[j] * row_stride;
-    if (j + kPrefetchKeys < nmax) prefetch_head(kb + slots[j + kPrefetchKeys] * row_stride, D * sizeof(T));
+    if (j + kPrefetchKeys < nmax) {
+      prefetch_head(kb + slots[j + kPrefetchKeys] * row_stride, D * sizeof(T));
+      prefetch_head(vb + slots[j + kPrefetchKeys] * row_stride, D * sizeof(T));
+    }
     Vec a[QR];
     for (int64_t r = 0; r < QR; ++r) a[r] = Vec(0.f);
     for (int64_t d = 0; d < D; d += W) {
