@@ -125,8 +125,8 @@ constexpr int64_t kQRows = 4;
 constexpr int64_t kVChunk = 4;  // head-dim vectors of V accumulated at once
 // Keys ahead whose K and V lines are prefetched: a row's slots are scattered through the
 // pool, so the hardware prefetcher cannot see the next key coming, and a decode step's
-// keys come from memory, not cache. With V asked for in the same pass, 32 keys ahead beat
-// 16 and 64 (docs/development.md).
+// keys come from memory, not cache. The distance was chosen by measurement
+// (docs/development.md, batched decode).
 constexpr int64_t kPrefetchKeys = 32;
 
 // Asks for the `bytes` at p (one key's head) ahead of their use.
@@ -146,7 +146,10 @@ void value_chunk(const T* vb, const int64_t* slots, int64_t row_stride, int64_t 
     for (int64_t c = 0; c < NV; ++c) a[r][c] = Vec(0.f);
   }
   for (int64_t j = 0; j < n; ++j) {
-    const T* vj = vb + slots[j] * row_stride;  // prefetched by the score pass
+    const T* vj = vb + slots[j] * row_stride;
+    // Already cached by the score pass's prefetch unless the row is too long for its V to
+    // stay in cache; asking again costs little then and keeps long rows streaming.
+    if (j + kPrefetchKeys < n) prefetch_head(vb + slots[j + kPrefetchKeys] * row_stride, NV * W * sizeof(T));
     Vec v[NV];
     for (int64_t c = 0; c < NV; ++c) v[c] = load_vec(vj + c * W);
     for (int64_t r = 0; r < QR; ++r) {
@@ -173,9 +176,9 @@ void attend_queries(const float* const* qf, const int64_t* n, const T* kb, const
   int64_t nmax = 0;
   for (int64_t r = 0; r < QR; ++r) nmax = std::max(nmax, n[r]);
   // Each key's K and V lines are asked for kPrefetchKeys keys ahead of the score pass, the
-  // first ones all at once before it: a task's keys start cold, and waiting on them one by
-  // one at the start of both passes cost as much as the arithmetic of all the rest. The
-  // value pass then reads V from cache (a task's V is at most a few hundred KB).
+  // first ones all at once before it: a task's keys start cold, and without this both
+  // passes waited on their first keys one by one. The value pass then mostly reads V from
+  // cache.
   for (int64_t j = 0; j < std::min(nmax, kPrefetchKeys); ++j) {
     prefetch_head(kb + slots[j] * row_stride, D * sizeof(T));
     prefetch_head(vb + slots[j] * row_stride, D * sizeof(T));
