@@ -8,7 +8,8 @@
 # model's own GGUF file, 2 threads, single-stream workloads only: LLAMACPP_WORKLOADS, default
 # "CHAT1 W1", its Python LLAMACPP_PYTHON); ROUNDS=N repeats the servers N times in turn
 # (labels LABEL-1 .. LABEL-N), so a drift of the host's speed hits every server alike.
-# vLLM comes from its own venv (docs/benchmarks.md has the install). Results:
+# DTYPE_VLLM (default bfloat16) is vLLM's --dtype: float32 to match srt_lite's auto on a CPU (or a cap) without
+# native bf16. vLLM comes from its own venv (docs/benchmarks.md has the install). Results:
 # benchmarks/results/{srt,srt-ngram,srt-ngram-compile,vllm}-LABEL-W{1,2,3}.json
 set -euo pipefail
 label=$1
@@ -35,7 +36,7 @@ run_srt() {  # run_srt NAME [server flags...]
 run_vllm() {
   VLLM_CPU_KVCACHE_SPACE=2 HF_HUB_OFFLINE=1 VLLM_NO_USAGE_STATS=1 DO_NOT_TRACK=1 \
     setsid "$vllm_py" -m vllm.entrypoints.openai.api_server --model "$model" --served-model-name smollm2 \
-    --port 30100 --dtype bfloat16 --max-model-len 2048 > /tmp/vllm-$tag.log 2>&1 &
+    --port 30100 --dtype "${DTYPE_VLLM:-bfloat16}" --max-model-len 2048 > /tmp/vllm-$tag.log 2>&1 &
   local vllm=$!
   wait_health http://127.0.0.1:30100
   "$root/benchmarks/run_workloads.sh" http://127.0.0.1:30100 "vllm-$tag" $workloads
