@@ -47,9 +47,11 @@ FLASHINFER_WORKSPACE_SIZE = EnvVar("SRT_LITE_FLASHINFER_WORKSPACE_SIZE", "", "Fl
 # ---- development hooks ------------------------------------------------------------------
 # Do not build or load the C++ CPU ops: runs the pure-torch fallback paths.
 DISABLE_CPU_KERNELS = EnvVar("SRT_LITE_DISABLE_CPU_KERNELS", "0", "1: skip the C++ CPU ops")
+# Run decode steps through the Python decoder layers, not the C++ stack (models/cpp_decoder.py).
+DISABLE_CPP_DECODER = EnvVar("SRT_LITE_DISABLE_CPP_DECODER", "0", "1: keep the Python decoder layers")
 # Fault tests: the scheduler raises inside its loop after this many forward steps.
 TEST_CRASH_AT_STEP = EnvVar("SRT_LITE_TEST_CRASH_AT_STEP", "0", "raise in the scheduler after N steps")
 # benchmarks/replay_steps.py: each forward's rows are appended to this file (JSON lines).
 RECORD_STEPS = EnvVar("SRT_LITE_RECORD_STEPS", "", "append each forward step's shape to this file")
 
-ALL = [CACHE_DIR, CPU_CAPS, OMP_NUM_THREADS, GLOO_SOCKET_IFNAME, NCCL_SOCKET_IFNAME, FLASHINFER_WORKSPACE_SIZE, DISABLE_CPU_KERNELS, TEST_CRASH_AT_STEP, RECORD_STEPS]
+ALL = [CACHE_DIR, CPU_CAPS, OMP_NUM_THREADS, GLOO_SOCKET_IFNAME, NCCL_SOCKET_IFNAME, FLASHINFER_WORKSPACE_SIZE, DISABLE_CPU_KERNELS, DISABLE_CPP_DECODER, TEST_CRASH_AT_STEP, RECORD_STEPS]

@@ -313,6 +313,32 @@ class PackableLinear(nn.Module):
         return packed_linear(x, self.packed_weight, bias)
 
 
+    def cpp_choice(self, rows: int) -> tuple[int, torch.Tensor, torch.Tensor | None, int] | None:
+        """The product matmul() runs for `rows` rows (no traced graph), as the C++ decoder
+        stack takes it: (kind, weight, its scales or None, n); None where it has no C++ form
+        (the oneDNN-packed weight). Keep in step with matmul: tests/test_cpp_decoder.py checks
+        the stack against the Python layers at each row class."""
+        if self.int4 is not None and rows <= INT4_ROWS:
+            return CPP_INT4, self.int4[0], self.int4[1], 0
+        if self.int4_panels is not None and rows <= AMX_INT4_ROWS:
+            return CPP_AMX_INT4, self.int4_panels[0], self.int4_panels[1], self.out_features
+        if self.panels is not None:
+            if self.panels.shape[3] == 1:
+                return CPP_F32_PANELS, self.panels, None, self.out_features
+            return (CPP_AMX_PANELS if self.panels_amx else CPP_PANELS), self.panels, None, self.out_features
+        if self.bf16_kernel:
+            return CPP_BF16_KERNEL, self.weight, None, BF16_KERNEL_ROWS
+        if self.packed_weight is None:
+            return CPP_TORCH, self.weight, None, 0
+        return None
+
+
+# The products of srt_lite_cpu::decoder_layers (enum Kind in csrc/cpu_decoder.cpp).
+CPP_INT4, CPP_AMX_INT4, CPP_PANELS, CPP_AMX_PANELS, CPP_F32_PANELS, CPP_BF16_KERNEL, CPP_TORCH = range(1, 8)
+# Row counts at which matmul's choice can change: the C++ stack holds one choice per class
+# (up to the first bound, up to the second, more).
+CPP_ROW_BOUNDS = (INT4_ROWS, AMX_INT4_ROWS)
+
 # Every packed linear of the process, by packed_key; weak, so a dropped model is freed.
 _PACKED: list["weakref.ref[PackableLinear]"] = []
 

@@ -101,6 +101,12 @@ class ModelRunner:
             prepare_linears_for_cpu(self.model, self.linear_path)
             self.pad_rows = self.linear_path == PATH_PACKED
         self.int4_linears = self.load_int4_weights()
+        # After the last change to the linears: the stack holds the weights as they are now.
+        # A compiled graph traces the Python layers instead.
+        self.cpp_stack = (
+            self.device == "cpu" and not self.server_args.enable_torch_compile
+            and hasattr(self.model.model, "use_cpp_stack") and self.model.model.use_cpp_stack()
+        )
         int4 = f", {self.int4_linears} with 4-bit GGUF weights" if self.int4_linears else ""
         logger.info(
             "Loaded %s (%.1f MB, %s, %s, linears: %s%s; CPU %s) in %.1f s",

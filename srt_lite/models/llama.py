@@ -19,6 +19,7 @@ from srt_lite.layers.logits_processor import LogitsProcessor, LogitsProcessorOut
 from srt_lite.layers.radix_attention import RadixAttention
 from srt_lite.layers.rotary_embedding import RotaryEmbedding
 from srt_lite.model_executor.forward_batch import ForwardBatch
+from srt_lite.models.cpp_decoder import CppDecoderStack
 from srt_lite.model_loader.weight_utils import InMemory, TensorSource
 
 
@@ -114,12 +115,22 @@ class LlamaModel(nn.Module):
             for i in range(config.num_hidden_layers)
         )
         self.norm = RMSNorm(config.hidden_size, config.rms_norm_eps)
+        # The layers as one C++ call for decode steps on the CPU, once the weights are final
+        # (ModelRunner.load_model calls use_cpp_stack).
+        self.cpp_stack: CppDecoderStack | None = None
+
+    def use_cpp_stack(self) -> bool:
+        self.cpp_stack = CppDecoderStack.build(self)
+        return self.cpp_stack is not None
 
     def forward(self, input_ids: torch.Tensor, positions: torch.Tensor, fb: ForwardBatch) -> torch.Tensor:
         hidden = self.embed_tokens(input_ids)
-        residual = None
-        for layer in self.layers:
-            hidden, residual = layer(positions, hidden, residual, fb)
+        if self.cpp_stack is not None and self.cpp_stack.runs(hidden, fb):
+            hidden, residual = self.cpp_stack(hidden, positions, fb)
+        else:
+            residual = None
+            for layer in self.layers:
+                hidden, residual = layer(positions, hidden, residual, fb)
         hidden, _ = self.norm(hidden, residual)
         return hidden
 

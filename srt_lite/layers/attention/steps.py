@@ -92,7 +92,7 @@ class CppCascadePlan(StepPlan):
         pool, lid = fb.token_to_kv_pool, layer.layer_id
         torch.ops.srt_lite_cpu.cascade_attention(
             q, k, v, pool.k_buffer[lid], pool.v_buffer[lid], fb.out_cache_loc, self.suffix_index, self.q_offsets,
-            self.k_offsets, self._prefix_start, self.prefix.length, self.prefix.index, layer.num_heads, layer.scaling, out,
+            self.k_offsets, self.prefix_start_slot, self.prefix.length, self.prefix.index, layer.num_heads, layer.scaling, out,
         )
 
     @contextlib.contextmanager
@@ -101,7 +101,7 @@ class CppCascadePlan(StepPlan):
         step with no Python per layer: its metadata goes to C++ once here."""
         pool, layer = fb.token_to_kv_pool, next(iter(layers.values()))
         torch.ops.srt_lite_cpu.set_cascade_step(
-            fb.out_cache_loc, self.suffix_index, self.q_offsets, self.k_offsets, self._prefix_start,
+            fb.out_cache_loc, self.suffix_index, self.q_offsets, self.k_offsets, self.prefix_start_slot,
             self.prefix.length, self.prefix.index, layer.num_heads, layer.scaling, pool.k_buffer, pool.v_buffer,
         )
         try:
@@ -110,5 +110,6 @@ class CppCascadePlan(StepPlan):
             torch.ops.srt_lite_cpu.clear_cascade_step()
 
     @property
-    def _prefix_start(self) -> int:
+    def prefix_start_slot(self) -> int:
+        """The prefix's first slot when its slots are consecutive, else -1 (the ops' form)."""
         return -1 if self.prefix.start is None else self.prefix.start

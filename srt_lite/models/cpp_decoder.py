@@ -1,0 +1,117 @@
+"""A Llama-family model's decoder layers as one C++ call (srt_lite_cpu::decoder_layers,
+csrc/cpu_decoder.cpp) for the CPU steps whose attention is the C++ token cascade: every
+decode step, and verify steps over a shared prefix.
+
+Eager, each layer costs a dozen Python calls around the C++ ops that do its work; at a few
+rows a step that Python is a large share of the step. The C++ loop calls the same ops in the
+same order, so its output equals the Python layers' bit for bit. Other steps (prompts,
+mixed batches) and models the loop does not cover (tensor parallelism, q/k norms, partial
+RoPE, oneDNN-packed weights) keep the Python layers.
+"""
+
+from __future__ import annotations
+
+import logging
+import weakref
+from typing import TYPE_CHECKING
+
+import torch
+from torch import nn
+
+from srt_lite import envs
+from srt_lite.distributed import get_tp_size
+from srt_lite.layers import cpu_kernels
+from srt_lite.layers.attention.steps import CppCascadePlan
+from srt_lite.layers.linear import AMX_INT4_ROWS, CPP_ROW_BOUNDS
+
+if TYPE_CHECKING:
+    from srt_lite.model_executor.forward_batch import ForwardBatch
+
+logger = logging.getLogger(__name__)
+
+# One row count per class of CPP_ROW_BOUNDS, at which each linear's choice is read.
+_CLASS_ROWS = (CPP_ROW_BOUNDS[0], CPP_ROW_BOUNDS[1], AMX_INT4_ROWS + 1)
+
+
+class CppDecoderStack:
+    """The registered C++ copy of a model's layer list (its tensors, not copies of them)."""
+
+    def __init__(self, key: int, layers: nn.ModuleList):
+        self.key = key
+        attn = layers[0].self_attn
+        self.rotary_emb = attn.rotary_emb
+        self.scale = attn.attn.scaling
+        self.dtype = layers[0].input_layernorm.weight.dtype
+
+    @classmethod
+    def build(cls, model: nn.Module) -> "CppDecoderStack | None":
+        """The stack for `model` (a LlamaModel on the CPU), or None where the C++ loop does not
+        cover it; released when the model is."""
+        if envs.DISABLE_CPP_DECODER.is_set() or not cpu_kernels.load() or get_tp_size() != 1:
+            return None
+        tensors: list[torch.Tensor | None] = []
+        kinds: list[int] = []
+        for layer in model.layers:
+            if not _covered(layer, model.layers[0]):
+                return None
+            attn, mlp = layer.self_attn, layer.mlp
+            tensors += [layer.input_layernorm.weight, layer.post_attention_layernorm.weight]
+            for lin, bias_after in ((attn.qkv_proj, 0), (attn.o_proj, 1), (mlp.gate_up_proj, 0), (mlp.down_proj, 1)):
+                choices = [lin.cpp_choice(rows) for rows in _CLASS_ROWS]
+                if None in choices:
+                    return None
+                tensors.append(lin.bias)
+                kinds.append(bias_after)  # row-parallel: the bias is added after the product
+                for kind, a, b, n in choices:
+                    tensors += [a, b]
+                    kinds += [kind, n]
+        attn = model.layers[0].self_attn
+        key = torch.ops.srt_lite_cpu.register_decoder_stack(
+            tensors, kinds, list(CPP_ROW_BOUNDS), attn.num_heads, attn.num_kv_heads, attn.head_dim,
+            model.layers[0].input_layernorm.eps,
+        )
+        weakref.finalize(model, torch.ops.srt_lite_cpu.release_decoder_stack, key)
+        logger.info("Decoder layers of decode steps: one C++ call a step")
+        return cls(key, model.layers)
+
+    def runs(self, hidden: torch.Tensor, fb: "ForwardBatch") -> bool:
+        """Whether this step goes through the stack: its attention is the C++ cascade, its
+        token axis is not padded, the C++ norms take its hidden states (as RMSNorm.forward
+        asks), and no graph is being traced."""
+        return (
+            isinstance(fb.attn_metadata, CppCascadePlan)
+            and hidden.shape[0] == fb.num_tokens
+            and hidden.dtype == self.dtype
+            and hidden.is_contiguous()
+            and not torch.compiler.is_compiling()
+        )
+
+    def __call__(
+        self, hidden: torch.Tensor, positions: torch.Tensor, fb: "ForwardBatch"
+    ) -> tuple[torch.Tensor, torch.Tensor]:
+        """hidden [T, hidden] (the embedding) -> the last layer's (output, residual)."""
+        plan: CppCascadePlan = fb.attn_metadata
+        cos, sin = self.rotary_emb._cos_sin(positions, hidden.dtype)  # [T, 1, D] each
+        pool = fb.token_to_kv_pool
+        return torch.ops.srt_lite_cpu.decoder_layers(
+            self.key, hidden, cos, sin, fb.out_cache_loc, plan.suffix_index, plan.q_offsets, plan.k_offsets,
+            plan.prefix_start_slot, plan.prefix.length, plan.prefix.index, self.scale, pool.k_buffer, pool.v_buffer,
+        )
+
+
+def _covered(layer: nn.Module, first: nn.Module) -> bool:
+    """Whether the C++ loop computes `layer` as LlamaDecoderLayer.forward does, with the
+    head shape, attention scale and norm settings of the `first` layer, which it uses for all."""
+    attn, mlp = getattr(layer, "self_attn", None), getattr(layer, "mlp", None)
+    if attn is None or mlp is None or getattr(attn, "q_norm", None) is not None:
+        return False
+    ref = first.self_attn
+    if attn.rotary_emb is not ref.rotary_emb or attn.rotary_emb.rotary_dim != attn.head_dim:
+        return False
+    if (attn.num_heads, attn.num_kv_heads, attn.head_dim, attn.attn.scaling) != (
+        ref.num_heads, ref.num_kv_heads, ref.head_dim, ref.attn.scaling
+    ):
+        return False
+    norms = (layer.input_layernorm, layer.post_attention_layernorm)
+    ref_norm = first.input_layernorm
+    return all(n.weight.dtype == ref_norm.weight.dtype and n.eps == ref_norm.eps for n in norms)
