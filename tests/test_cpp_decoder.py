@@ -13,7 +13,7 @@ import torch
 
 from model_harness import Harness
 from srt_lite.layers import cpu_kernels
-from srt_lite.layers.linear import AMX_INT4_ROWS, INT4_ROWS
+from srt_lite.layers.linear import INT4_ROWS, int4_panel_rows
 from srt_lite.model_config import ModelConfig
 from srt_lite.model_executor.model_runner import ModelRunner
 from srt_lite.models.cpp_decoder import CppDecoderStack
@@ -103,12 +103,12 @@ def test_cascade_steps_over_a_shared_prefix_with_several_tokens_a_row(tmp_path, 
 
 
 def test_default_model_int4_and_panels_equal_the_python_layers(default_model_dir, stack_calls):
-    """The default GGUF model in bf16: one-row steps take the 4-bit codes (and, with AMX,
-    batches take the 4-bit panels), larger ones the bf16 products; the stack equals the
-    Python layers at 1, INT4_ROWS + 1 and AMX_INT4_ROWS + 1 rows."""
+    """The default GGUF model in bf16: one-row steps take the 4-bit codes (and, with bf16
+    panels, batches take the 4-bit panels), larger ones the bf16 products; the stack equals
+    the Python layers at 1, INT4_ROWS + 1 and int4_panel_rows() + 1 rows."""
     runner = _runner(default_model_dir, "bfloat16")
     assert runner.int4_linears == 120
-    for rows in (1, INT4_ROWS + 1, AMX_INT4_ROWS + 1):
+    for rows in (1, INT4_ROWS + 1, int4_panel_rows() + 1):
         prompts = [[(13 * r + j) % 40000 + 100 for j in range(5)] for r in range(rows)]
         stack_calls.clear()
         got, want = run_both(runner, prompts, steps=2)

@@ -306,7 +306,11 @@ def test_amx_panel_linear_matches_the_product_and_ignores_the_batch(M, N, K, bia
     assert torch.equal(panel_linear(x, panels, b, N), got)  # the dispatcher takes AMX for whole tiles of K
 
 
-@AMX
+# The two 4-bit panel products: AMX tiles, and AVX512-BF16 dot products.
+INT4_PANEL_OPS = [pytest.param("amx_int4_panel_linear", marks=AMX), pytest.param("int4_panel_linear", marks=PANELS)]
+
+
+@pytest.mark.parametrize("name", INT4_PANEL_OPS)
 @pytest.mark.parametrize(
     "M,N,K",
     [
@@ -315,10 +319,11 @@ def test_amx_panel_linear_matches_the_product_and_ignores_the_batch(M, N, K, bia
         (17, 130, 576),  # a full tile and one of a row
         (40, 70, 64),  # three tiles of rows, two groups
         (130, 64, 160),  # two chunks of rows
+        (21, 1536, 576),  # enough panels for whole ones a thread (and a row tile of 3 left)
     ],
 )
 @pytest.mark.parametrize("bias", [False, True])
-def test_amx_int4_panel_linear_matches_the_4bit_product_and_ignores_the_batch(M, N, K, bias):
+def test_int4_panel_linear_matches_the_4bit_product_and_ignores_the_batch(name, M, N, K, bias):
     """4-bit panels (a GGUF's codes, scale and zero per group of 32): within fp32 and one bf16
     rounding of the exact product of the 4-bit weights (float64), and a row's result is the
     same bit for bit alone, in a slice of the batch, or in the whole."""
@@ -332,7 +337,7 @@ def test_amx_int4_panel_linear_matches_the_4bit_product_and_ignores_the_batch(M,
     b = torch.randn(N, generator=g).bfloat16() if bias else None
     packed, sz = pack_int4_panels(codes, scale, zero)
     assert packed.shape == (-(-N // 64), K // 4, 4, 32) and sz.shape == (-(-N // 64), K // 32, 2, 64)
-    op = torch.ops.srt_lite_cpu.amx_int4_panel_linear
+    op = getattr(torch.ops.srt_lite_cpu, name)
     got = op(x, packed, sz, b, N)
     assert got.dtype == torch.bfloat16 and got.shape == (M, N)
     w = ((codes.double().view(N, K // 32, 32) - 8) * scale.double()[..., None] + zero.double()[..., None]).view(N, K)
@@ -342,13 +347,13 @@ def test_amx_int4_panel_linear_matches_the_4bit_product_and_ignores_the_batch(M,
     assert torch.equal(op(x[M // 3:], packed, sz, b, N), got[M // 3:])
 
 
-@AMX
-def test_amx_int4_panel_linear_rejects_bad_shapes():
+@pytest.mark.parametrize("name", INT4_PANEL_OPS)
+def test_int4_panel_linear_rejects_bad_shapes(name):
     from srt_lite.layers.linear import pack_int4_panels
 
     packed, sz = pack_int4_panels(torch.randint(0, 16, (70, 64), dtype=torch.uint8), torch.rand(70, 2), torch.rand(70, 2))
     x = torch.randn(2, 64).bfloat16()
-    op = torch.ops.srt_lite_cpu.amx_int4_panel_linear
+    op = getattr(torch.ops.srt_lite_cpu, name)
     with pytest.raises(RuntimeError, match="x must be"):
         op(torch.randn(2, 32).bfloat16(), packed, sz, None, 70)
     with pytest.raises(RuntimeError, match="does not fit"):

@@ -15,7 +15,7 @@ from safetensors import safe_open
 
 from model_harness import Harness
 from srt_lite.layers import linear
-from srt_lite.layers.linear import AMX_INT4_ROWS, INT4_ROWS, PackableLinear, amx_panels_built
+from srt_lite.layers.linear import INT4_ROWS, int4_panel_rows, PackableLinear, panels_built
 from srt_lite.model_config import ModelConfig
 from srt_lite.model_executor.model_runner import ModelRunner
 from srt_lite.model_loader import gguf_quant
@@ -118,31 +118,32 @@ def test_fp32_runs_the_dequantized_checkpoint_exactly(tokenizer):
 
 def test_int4_only_for_few_rows_and_the_full_weight_beyond(tokenizer, monkeypatch):
     """Prefill (many rows) runs the full-precision weight, so it equals the dequantized model
-    bit for bit; steps of up to INT4_ROWS rows call torch's int4 kernel, and where the panels
-    go through AMX tiles, steps of up to AMX_INT4_ROWS the 4-bit AMX panels."""
+    bit for bit; steps of up to INT4_ROWS rows call torch's int4 kernel, and where the weights
+    are in bf16 panels (AVX512-BF16 or AMX), steps of up to int4_panel_rows() the 4-bit panels."""
     int4, plain = _runner("bfloat16", None), _runner("bfloat16", "none")
     ids = tokenizer.encode(TEXT + " " + TEXT)
-    assert len(ids) > AMX_INT4_ROWS
+    assert len(ids) > int4_panel_rows()
     a = Harness(int4).prefill([ids]).all_logits
     b = Harness(plain).prefill([ids]).all_logits
     assert torch.equal(a, b)
     layer = next(m for m in int4.model.modules() if isinstance(m, PackableLinear))
-    assert (layer.int4_panels is not None) == layer.panels_amx == amx_panels_built()
-    x = torch.randn(AMX_INT4_ROWS + 1, layer.weight_shape[1], dtype=torch.bfloat16)
-    calls, amx_calls = [], []
-    original, amx_original = linear.int4_linear, linear.amx_int4_linear
+    assert (layer.int4_panels is not None) == panels_built()
+    x = torch.randn(int4_panel_rows() + 1, layer.weight_shape[1], dtype=torch.bfloat16)
+    calls, panel_calls = [], []
+    original, panel_original = linear.int4_linear, linear.int4_panel_linear
     monkeypatch.setattr(linear, "int4_linear", lambda *args: calls.append(args[0].shape[0]) or original(*args))
-    monkeypatch.setattr(linear, "amx_int4_linear", lambda *args: amx_calls.append(args[0].shape[0]) or amx_original(*args))
-    for rows in range(1, AMX_INT4_ROWS + 2):
+    monkeypatch.setattr(linear, "int4_panel_linear",
+                        lambda *args: panel_calls.append(args[0].shape[0]) or panel_original(*args))
+    for rows in range(1, int4_panel_rows() + 2):
         layer.matmul(x[:rows], None)
     assert calls == list(range(1, INT4_ROWS + 1))
-    assert amx_calls == (list(range(INT4_ROWS + 1, AMX_INT4_ROWS + 1)) if amx_panels_built() else [])
+    assert panel_calls == (list(range(INT4_ROWS + 1, int4_panel_rows() + 1)) if panels_built() else [])
 
 
-@pytest.mark.skipif(not amx_panels_built(), reason="the 4-bit AMX panels need AMX-BF16")
-def test_amx_int4_panels_decode_batches_with_the_dequantized_model(tokenizer):
-    """Batched decode steps (8 rows) through the 4-bit AMX panels stay with the dequantized
-    model: logits within a few percent, greedy tokens agreeing."""
+@pytest.mark.skipif(not panels_built(), reason="the 4-bit panels need AVX512-BF16")
+def test_int4_panels_decode_batches_with_the_dequantized_model(tokenizer):
+    """Batched decode steps (8 rows) through the 4-bit panels (on AMX tiles where the CPU has
+    them) stay with the dequantized model: logits within a few percent, greedy tokens agreeing."""
     int4, plain = _runner("bfloat16", None), _runner("bfloat16", "none")
     ids = tokenizer.encode(TEXT)
     prompts = [ids[i:i + 6] for i in range(8)]

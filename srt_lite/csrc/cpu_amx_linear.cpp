@@ -30,6 +30,7 @@
 #include <cstdint>
 
 #include "cpu_amx.h"
+#include "cpu_int4.h"
 
 namespace {
 
@@ -153,35 +154,12 @@ void amx_matmul(const AmxArgs& a, int64_t M) {
   }
 }
 
-// 4-bit panels (pack_int4_panels in linear.py): codes [N / 64, K / 4, 4, 32] uint8: for each
-// two k pairs (rows 2i and 2i + 1 of a B tile) and each of the panel's four 16-output
-// tiles, 32 bytes whose byte j holds element j of row 2i in its low nibble and of row
-// 2i + 1 in its high one, element e being output e / 2 of the tile at k 2p + e % 2.
-// sz [N / 64, K / 32, 2, 64] fp32: each group's scale, then zero, for the panel's outputs.
-constexpr int64_t kGroupPairs = 16;  // k pairs of a GGUF group of 32 weights: one B tile
+// The 4-bit panels and their values: cpu_int4.h.
+using srt_lite_int4::group_sums;
+using srt_lite_int4::kGroupCodeBytes;
+using srt_lite_int4::kGroupPairs;
 constexpr int64_t kTileBytes = kTilePairs * 64;  // one bf16 B tile
-constexpr int64_t kGroupCodeBytes = kPanelRows * 2 * kGroupPairs / 2;  // a panel's codes of one group
-
-// bf16 of code - 8 for codes 0..15 (lanes 16-31 repeat them: vpermw reads the low 5 bits).
-alignas(64) constexpr uint16_t kCodeValues[32] = {
-    0xC100, 0xC0E0, 0xC0C0, 0xC0A0, 0xC080, 0xC040, 0xC000, 0xBF80, 0x0000, 0x3F80, 0x4000, 0x4040, 0x4080, 0x40A0, 0x40C0, 0x40E0,
-    0xC100, 0xC0E0, 0xC0C0, 0xC0A0, 0xC080, 0xC040, 0xC000, 0xBF80, 0x0000, 0x3F80, 0x4000, 0x4040, 0x4080, 0x40A0, 0x40C0, 0x40E0};
-
-// tiles [4][16 k pairs][16 outputs x 2] bf16 = q - 8 of one group of a panel (codes: its
-// kGroupCodeBytes).
-__attribute__((target("avx512f,avx512bw,avx512vl")))
-void group_tiles(const uint8_t* codes, uint16_t* tiles) {
-  const __m512i table = _mm512_load_si512(kCodeValues);
-  const __m512i nibble = _mm512_set1_epi16(0xF);
-  for (int64_t i = 0; i < kGroupPairs / 2; ++i) {
-    for (int64_t b = 0; b < 4; ++b) {
-      const __m512i c = _mm512_cvtepu8_epi16(_mm256_loadu_si256(reinterpret_cast<const __m256i*>(codes + (i * 4 + b) * 32)));
-      uint16_t* t = tiles + b * kTileBytes / 2 + 2 * i * 32;
-      _mm512_store_si512(t, _mm512_permutexvar_epi16(_mm512_and_si512(c, nibble), table));
-      _mm512_store_si512(t + 32, _mm512_permutexvar_epi16(_mm512_srli_epi16(c, 4), table));
-    }
-  }
-}
+static_assert(kTileBytes / 2 == srt_lite_int4::kGroupVector, "a group's values of one vector are one B tile");
 
 // acc [rows, 64] += scale * c + zero * xsum[r] for one group (c: its [rows, 64] tile sums).
 __attribute__((target("avx512f")))
@@ -225,20 +203,6 @@ void group_product(const uint16_t* x, int64_t ldx_bytes, const uint16_t* tiles, 
   _tile_stored(3, c + 48, ldc_bytes);
 }
 
-// xsum [M, K / 32] = each row's sum of x over each group, in fp32.
-__attribute__((target("avx512f,avx512bw")))
-void group_sums(const uint16_t* x, int64_t M, int64_t K, float* xsum) {
-  const int64_t groups = K / (2 * kGroupPairs);
-  for (int64_t r = 0; r < M; ++r) {
-    for (int64_t g = 0; g < groups; ++g) {
-      const __m512i v = _mm512_loadu_si512(x + r * K + g * 32);
-      const __m512 lo = _mm512_castsi512_ps(_mm512_slli_epi32(_mm512_cvtepu16_epi32(_mm512_castsi512_si256(v)), 16));
-      const __m512 hi = _mm512_castsi512_ps(_mm512_slli_epi32(_mm512_cvtepu16_epi32(_mm512_extracti64x4_epi64(v, 1)), 16));
-      xsum[r * groups + g] = _mm512_reduce_add_ps(_mm512_add_ps(lo, hi));
-    }
-  }
-}
-
 struct AmxInt4Args {
   const uint16_t* x;     // [M, K]
   const uint8_t* codes;  // [N / 64, K / 4, 4, 32]
@@ -278,7 +242,7 @@ void amx_int4_matmul(const AmxInt4Args& a, int64_t M) {
       PendingScale pending;
       for (int64_t panel = begin; panel < end; ++panel) {
         for (int64_t g = 0; g < groups; ++g) {
-          group_tiles(a.codes + (panel * groups + g) * kGroupCodeBytes, tiles);
+          srt_lite_int4::group_values(a.codes + (panel * groups + g) * kGroupCodeBytes, tiles, 0, 4);
           const float* scale = a.sz + (panel * groups + g) * 2 * kPanelRows;
           for (int64_t m0 = c0; m0 < c1; m0 += kTileRows) {
             const int64_t rows = std::min(kTileRows, c1 - m0);

@@ -31,9 +31,10 @@ enum Kind : int64_t {
   kF32Panels = 5,   // srt_lite_cpu::f32_panel_linear on x in fp32, rounded back to x's dtype
   kBf16Kernel = 6,  // srt_lite_cpu::bf16_linear
   kTorch = 7,       // at::linear
+  kInt4Panels = 8,  // srt_lite_cpu::int4_panel_linear
 };
 // Row-count classes a linear may choose differently for: up to bounds[0] rows, up to
-// bounds[1], and more (layers/linear.py: INT4_ROWS, AMX_INT4_ROWS).
+// bounds[1], and more (layers/linear.py: cpp_row_bounds).
 constexpr int64_t kRowClasses = 3;
 constexpr int64_t kLinears = 4;  // qkv, o, gate_up, down: a layer's order in the tensor list
 constexpr int64_t kInt4Group = 32;
@@ -91,6 +92,10 @@ at::Tensor product(const Linear& l, const Choice& c, const at::Tensor& x) {
     }
     case kAmxInt4: {
       static const auto f = op<Int4PanelSig>("srt_lite_cpu::amx_int4_panel_linear");
+      return f.call(x, c.a, c.b, bias, c.n);
+    }
+    case kInt4Panels: {
+      static const auto f = op<Int4PanelSig>("srt_lite_cpu::int4_panel_linear");
       return f.call(x, c.a, c.b, bias, c.n);
     }
     case kPanels: {
@@ -159,8 +164,8 @@ int64_t register_decoder_stack(const c10::List<std::optional<at::Tensor>>& tenso
         auto a = next(), b = next();
         c.kind = kinds[k++];
         c.n = kinds[k++];
-        TORCH_CHECK(c.kind >= kInt4 && c.kind <= kTorch && a, "decoder stack: unknown product ", c.kind);
-        TORCH_CHECK((c.kind != kInt4 && c.kind != kAmxInt4) || b, "decoder stack: a 4-bit product without its scales");
+        TORCH_CHECK(c.kind >= kInt4 && c.kind <= kInt4Panels && a, "decoder stack: unknown product ", c.kind);
+        TORCH_CHECK((c.kind != kInt4 && c.kind != kAmxInt4 && c.kind != kInt4Panels) || b, "decoder stack: a 4-bit product without its scales");
         c.a = *a;
         if (b) c.b = *b;
       }

@@ -26,10 +26,10 @@ logger = logging.getLogger(__name__)
 
 _CSRC = os.path.join(os.path.dirname(os.path.dirname(__file__)), "csrc")
 SOURCES = [os.path.join(_CSRC, name) for name in ("cpu_attention.cpp", "cpu_prompt_attention.cpp", "cpu_linear.cpp",
-                                                  "cpu_amx_linear.cpp", "cpu_prefix_attention.cpp",
+                                                  "cpu_amx_linear.cpp", "cpu_int4_linear.cpp", "cpu_prefix_attention.cpp",
                                                   "cpu_norm_rope.cpp", "cpu_decoder.cpp")]
 # Headers the sources include: not compiled on their own, but part of the build's identity.
-HEADERS = [os.path.join(_CSRC, name) for name in ("cpu_amx.h", "cpu_prefix_attention.h")]
+HEADERS = [os.path.join(_CSRC, name) for name in ("cpu_amx.h", "cpu_int4.h", "cpu_prefix_attention.h")]
 _loaded: bool | None = None
 # Compiler flags by CPU level (srt_lite.cpu_caps), so at::vec in the sources gets the vector
 # width ATen's own kernels use on this CPU (as ATen builds its AVX2 and AVX-512 kernels).

@@ -187,11 +187,20 @@ def panel_linear(x: torch.Tensor, panels: torch.Tensor, bias: torch.Tensor | Non
 # bf16 bytes and wins; from a few rows on, the bf16 product is faster.
 INT4_ROWS = 2
 INT4_GROUP = 32
-# Rows up to which a linear whose panels go through AMX tiles takes its 4-bit panels
-# (srt_lite_cpu::amx_int4_panel_linear) beyond INT4_ROWS: a third of bf16's bytes, with each
-# group's products scaled after, which costs more per row than the bf16 tiles from a few
-# dozen rows up (docs/benchmarks.md, "AMX panels").
+# Rows up to which a linear with bf16 panels takes its 4-bit panels beyond INT4_ROWS: a third
+# of bf16's bytes, with each group's products scaled after, which costs more per row than the
+# bf16 product from some rows up: a few dozen on AMX tiles (srt_lite_cpu::amx_int4_panel_linear),
+# fewer in AVX512-BF16 dot products (srt_lite_cpu::int4_panel_linear), where each group's
+# values are also looked up for every pass (docs/benchmarks.md, "AMX panels", "4-bit panels").
 AMX_INT4_ROWS = 32
+DOT_INT4_ROWS = 16
+
+
+@functools.cache
+def int4_panel_rows() -> int:
+    """This process's bound for the 4-bit panels: a 4-bit linear's K is whole groups of 32,
+    so its panels go through AMX tiles wherever the tiles run (amx_panels_ok)."""
+    return AMX_INT4_ROWS if amx_panels_built() else DOT_INT4_ROWS
 
 
 def int4_pack(codes: torch.Tensor, scale: torch.Tensor, zero: torch.Tensor, dtype: torch.dtype) -> tuple[torch.Tensor, torch.Tensor]:
@@ -209,7 +218,7 @@ def int4_linear(x: torch.Tensor, packed: torch.Tensor, scales_and_zeros: torch.T
 
 def pack_int4_panels(codes: torch.Tensor, scale: torch.Tensor, zero: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
     """codes uint8 [N, K] (0..15), scale/zero [N, K/32] with w = (q - 8) * scale + zero ->
-    the 4-bit panels of srt_lite_cpu::amx_int4_panel_linear: codes [N / 64, K / 4, 4, 32]
+    the 4-bit panels of srt_lite_cpu::amx_int4_panel_linear and int4_panel_linear: codes [N / 64, K / 4, 4, 32]
     uint8 (for each two k pairs and each 16-output AMX tile of a panel, 32 bytes holding
     element j of the first pair's tile row in byte j's low nibble and of the second's in its
     high one; element e is output e / 2 at k 2p + e % 2) and sz [N / 64, K / 32, 2, 64]
@@ -225,10 +234,13 @@ def pack_int4_panels(codes: torch.Tensor, scale: torch.Tensor, zero: torch.Tenso
     return packed, sz.permute(0, 3, 2, 1).contiguous()  # [P, K/32, 2, 64]
 
 
-def amx_int4_linear(x: torch.Tensor, int4_panels: tuple[torch.Tensor, torch.Tensor], bias: torch.Tensor | None,
-                    out_features: int) -> torch.Tensor:
-    """x [n, in] -> [n, out] bf16 through pack_int4_panels()' (codes, sz) on AMX tiles."""
-    return torch.ops.srt_lite_cpu.amx_int4_panel_linear(x, *int4_panels, bias, out_features)
+def int4_panel_linear(x: torch.Tensor, int4_panels: tuple[torch.Tensor, torch.Tensor], bias: torch.Tensor | None,
+                      out_features: int, amx: bool) -> torch.Tensor:
+    """x [n, in] -> [n, out] bf16 through pack_int4_panels()' (codes, sz), on AMX tiles or in
+    AVX512-BF16 dot products (`amx`: the layer's bf16 panels go through the tiles)."""
+    if amx:
+        return torch.ops.srt_lite_cpu.amx_int4_panel_linear(x, *int4_panels, bias, out_features)
+    return torch.ops.srt_lite_cpu.int4_panel_linear(x, *int4_panels, bias, out_features)
 
 
 class PackableLinear(nn.Module):
@@ -268,11 +280,11 @@ class PackableLinear(nn.Module):
     def use_int4(self, codes: torch.Tensor, scale: torch.Tensor, zero: torch.Tensor) -> None:
         """Adds a 4-bit copy of the weight (this rank's codes [N, K] and per-32 scale/zero
         [N, K/32]) for products of at most INT4_ROWS rows: a decode step at one stream reads
-        a quarter of the bytes; and where the panels go through AMX tiles, 4-bit panels for
-        products of up to AMX_INT4_ROWS rows (batched decode). The full-precision weight
+        a quarter of the bytes; and where the weight is in bf16 panels, 4-bit panels for
+        products of up to int4_panel_rows() rows (batched decode). The full-precision weight
         stays for larger products."""
         self.int4 = int4_pack(codes, scale, zero, self.weight.dtype)
-        if self.panels_amx:
+        if self.panels is not None and self.panels.shape[3] == 2:
             self.int4_panels = pack_int4_panels(codes, scale, zero)
 
     def pack_for_cpu(self) -> None:
@@ -295,8 +307,8 @@ class PackableLinear(nn.Module):
         if self.int4 is not None and isinstance(rows, int) and rows <= INT4_ROWS:
             y = int4_linear(x, *self.int4)
             return y if bias is None else y + bias
-        if self.int4_panels is not None and isinstance(rows, int) and rows <= AMX_INT4_ROWS:
-            return amx_int4_linear(x, self.int4_panels, bias, self.out_features)
+        if self.int4_panels is not None and isinstance(rows, int) and rows <= int4_panel_rows():
+            return int4_panel_linear(x, self.int4_panels, bias, self.out_features, self.panels_amx)
         if self.panels is not None:
             return panel_linear(x, self.panels, bias, self.out_features, self.panels_amx)
         if self.bf16_kernel:
@@ -320,8 +332,9 @@ class PackableLinear(nn.Module):
         the stack against the Python layers at each row class."""
         if self.int4 is not None and rows <= INT4_ROWS:
             return CPP_INT4, self.int4[0], self.int4[1], 0
-        if self.int4_panels is not None and rows <= AMX_INT4_ROWS:
-            return CPP_AMX_INT4, self.int4_panels[0], self.int4_panels[1], self.out_features
+        if self.int4_panels is not None and rows <= int4_panel_rows():
+            kind = CPP_AMX_INT4 if self.panels_amx else CPP_INT4_PANELS
+            return kind, self.int4_panels[0], self.int4_panels[1], self.out_features
         if self.panels is not None:
             if self.panels.shape[3] == 1:
                 return CPP_F32_PANELS, self.panels, None, self.out_features
@@ -334,10 +347,12 @@ class PackableLinear(nn.Module):
 
 
 # The products of srt_lite_cpu::decoder_layers (enum Kind in csrc/cpu_decoder.cpp).
-CPP_INT4, CPP_AMX_INT4, CPP_PANELS, CPP_AMX_PANELS, CPP_F32_PANELS, CPP_BF16_KERNEL, CPP_TORCH = range(1, 8)
-# Row counts at which matmul's choice can change: the C++ stack holds one choice per class
-# (up to the first bound, up to the second, more).
-CPP_ROW_BOUNDS = (INT4_ROWS, AMX_INT4_ROWS)
+(CPP_INT4, CPP_AMX_INT4, CPP_PANELS, CPP_AMX_PANELS, CPP_F32_PANELS, CPP_BF16_KERNEL, CPP_TORCH,
+ CPP_INT4_PANELS) = range(1, 9)
+def cpp_row_bounds() -> tuple[int, int]:
+    """Row counts at which matmul's choice can change: the C++ stack holds one choice per
+    class (up to the first bound, up to the second, more)."""
+    return INT4_ROWS, int4_panel_rows()
 
 # Every packed linear of the process, by packed_key; weak, so a dropped model is freed.
 _PACKED: list["weakref.ref[PackableLinear]"] = []
@@ -378,6 +393,10 @@ def _register_cpp_fake() -> None:
         return x.new_empty(x.shape[0], n)  # [T, out_features]
 
     @torch.library.register_fake("srt_lite_cpu::amx_int4_panel_linear")
+    def _(x: torch.Tensor, codes: torch.Tensor, sz: torch.Tensor, bias: torch.Tensor | None, n: int) -> torch.Tensor:
+        return x.new_empty(x.shape[0], n)  # [T, out_features]
+
+    @torch.library.register_fake("srt_lite_cpu::int4_panel_linear")
     def _(x: torch.Tensor, codes: torch.Tensor, sz: torch.Tensor, bias: torch.Tensor | None, n: int) -> torch.Tensor:
         return x.new_empty(x.shape[0], n)  # [T, out_features]
 

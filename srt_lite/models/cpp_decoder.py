@@ -22,16 +22,12 @@ from srt_lite import envs
 from srt_lite.distributed import get_tp_size
 from srt_lite.layers import cpu_kernels
 from srt_lite.layers.attention.steps import CppCascadePlan
-from srt_lite.layers.linear import AMX_INT4_ROWS, CPP_ROW_BOUNDS
+from srt_lite.layers.linear import cpp_row_bounds
 
 if TYPE_CHECKING:
     from srt_lite.model_executor.forward_batch import ForwardBatch
 
 logger = logging.getLogger(__name__)
-
-# One row count per class of CPP_ROW_BOUNDS, at which each linear's choice is read.
-_CLASS_ROWS = (CPP_ROW_BOUNDS[0], CPP_ROW_BOUNDS[1], AMX_INT4_ROWS + 1)
-
 
 class CppDecoderStack:
     """The registered C++ copy of a model's layer list (its tensors, not copies of them)."""
@@ -49,6 +45,8 @@ class CppDecoderStack:
         cover it; released when the model is."""
         if envs.DISABLE_CPP_DECODER.is_set() or not cpu_kernels.load() or get_tp_size() != 1:
             return None
+        bounds = cpp_row_bounds()
+        class_rows = (bounds[0], bounds[1], bounds[1] + 1)  # one row count per class: where each choice is read
         tensors: list[torch.Tensor | None] = []
         kinds: list[int] = []
         for layer in model.layers:
@@ -57,7 +55,7 @@ class CppDecoderStack:
             attn, mlp = layer.self_attn, layer.mlp
             tensors += [layer.input_layernorm.weight, layer.post_attention_layernorm.weight]
             for lin, bias_after in ((attn.qkv_proj, 0), (attn.o_proj, 1), (mlp.gate_up_proj, 0), (mlp.down_proj, 1)):
-                choices = [lin.cpp_choice(rows) for rows in _CLASS_ROWS]
+                choices = [lin.cpp_choice(rows) for rows in class_rows]
                 if None in choices:
                     return None
                 tensors.append(lin.bias)
@@ -67,7 +65,7 @@ class CppDecoderStack:
                     kinds += [kind, n]
         attn = model.layers[0].self_attn
         key = torch.ops.srt_lite_cpu.register_decoder_stack(
-            tensors, kinds, list(CPP_ROW_BOUNDS), attn.num_heads, attn.num_kv_heads, attn.head_dim,
+            tensors, kinds, list(bounds), attn.num_heads, attn.num_kv_heads, attn.head_dim,
             model.layers[0].input_layernorm.eps,
         )
         weakref.finalize(model, torch.ops.srt_lite_cpu.release_decoder_stack, key)
