@@ -15,7 +15,7 @@ from safetensors import safe_open
 
 from model_harness import Harness
 from srt_lite.layers import linear
-from srt_lite.layers.linear import INT4_ROWS, int4_panel_rows, PackableLinear, panels_built
+from srt_lite.layers.linear import INT4_ROWS, PackableLinear, int4_panel_rows, panels_built
 from srt_lite.model_config import ModelConfig
 from srt_lite.model_executor.model_runner import ModelRunner
 from srt_lite.model_loader import gguf_quant

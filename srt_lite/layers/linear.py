@@ -218,12 +218,12 @@ def int4_linear(x: torch.Tensor, packed: torch.Tensor, scales_and_zeros: torch.T
 
 def pack_int4_panels(codes: torch.Tensor, scale: torch.Tensor, zero: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
     """codes uint8 [N, K] (0..15), scale/zero [N, K/32] with w = (q - 8) * scale + zero ->
-    the 4-bit panels of srt_lite_cpu::amx_int4_panel_linear and int4_panel_linear: codes [N / 64, K / 4, 4, 32]
-    uint8 (for each two k pairs and each 16-output AMX tile of a panel, 32 bytes holding
-    element j of the first pair's tile row in byte j's low nibble and of the second's in its
-    high one; element e is output e / 2 at k 2p + e % 2) and sz [N / 64, K / 32, 2, 64]
-    fp32 (scale, then zero, per group and output). Padded outputs get code 0 and scale =
-    zero = 0."""
+    the 4-bit panels of srt_lite_cpu::amx_int4_panel_linear and int4_panel_linear (the
+    layout of csrc/cpu_int4.h): codes [N / 64, K / 4, 4, 32] uint8 (for each two k pairs
+    and each 16-output AMX tile of a panel, 32 bytes holding element j of the first pair's
+    tile row in byte j's low nibble and of the second's in its high one; element e is
+    output e / 2 at k 2p + e % 2) and sz [N / 64, K / 32, 2, 64] fp32 (scale, then zero,
+    per group and output). Padded outputs get code 0 and scale = zero = 0."""
     n, k = codes.shape
     pad = -n % PANEL_ROWS
     codes = torch.nn.functional.pad(codes, (0, 0, 0, pad)).view(-1, PANEL_ROWS, k // 2, 2)  # [P, 64, K/2, 2]
@@ -349,10 +349,13 @@ class PackableLinear(nn.Module):
 # The products of srt_lite_cpu::decoder_layers (enum Kind in csrc/cpu_decoder.cpp).
 (CPP_INT4, CPP_AMX_INT4, CPP_PANELS, CPP_AMX_PANELS, CPP_F32_PANELS, CPP_BF16_KERNEL, CPP_TORCH,
  CPP_INT4_PANELS) = range(1, 9)
+
+
 def cpp_row_bounds() -> tuple[int, int]:
     """Row counts at which matmul's choice can change: the C++ stack holds one choice per
     class (up to the first bound, up to the second, more)."""
     return INT4_ROWS, int4_panel_rows()
+
 
 # Every packed linear of the process, by packed_key; weak, so a dropped model is freed.
 _PACKED: list["weakref.ref[PackableLinear]"] = []

@@ -29,6 +29,7 @@ if TYPE_CHECKING:
 
 logger = logging.getLogger(__name__)
 
+
 class CppDecoderStack:
     """The registered C++ copy of a model's layer list (its tensors, not copies of them)."""
 
