@@ -193,7 +193,7 @@ INT4_GROUP = 32
 # fewer in AVX512-BF16 dot products (srt_lite_cpu::int4_panel_linear), where each group's
 # values are also looked up for every pass (docs/benchmarks.md, "AMX panels", "4-bit panels").
 AMX_INT4_ROWS = 32
-DOT_INT4_ROWS = 16
+DOT_INT4_ROWS = 8
 
 
 @functools.cache
