@@ -305,24 +305,12 @@ at::Tensor amx_panel_linear(const at::Tensor& x, const at::Tensor& weight, const
 at::Tensor amx_int4_panel_linear(const at::Tensor& x, const at::Tensor& codes, const at::Tensor& sz,
                                  const std::optional<at::Tensor>& bias, int64_t N) {
   TORCH_CHECK(amx_supported(), "amx_int4_panel_linear: this CPU (or build, or OS) has no AMX-BF16");
-  TORCH_CHECK(codes.scalar_type() == at::kByte && codes.dim() == 4 && codes.is_contiguous() && codes.size(2) == 4 &&
-                  codes.size(3) == 32,
-              "amx_int4_panel_linear: codes must be a contiguous uint8 [N / 64, K / 4, 4, 32]");
-  const int64_t P = codes.size(0), K = 4 * codes.size(1);
-  TORCH_CHECK(K % (2 * kTilePairs) == 0, "amx_int4_panel_linear: K = ", K, " is not a multiple of ", 2 * kTilePairs);
-  TORCH_CHECK(sz.scalar_type() == at::kFloat && sz.is_contiguous() && sz.dim() == 4 && sz.size(0) == P &&
-                  sz.size(1) == K / (2 * kTilePairs) && sz.size(2) == 2 && sz.size(3) == kPanelRows,
-              "amx_int4_panel_linear: sz must be a contiguous fp32 [N / 64, K / 32, 2, 64]");
-  TORCH_CHECK(N > (P - 1) * kPanelRows && N <= P * kPanelRows, "amx_int4_panel_linear: N = ", N, " does not fit ", P,
-              " panels");
-  TORCH_CHECK(x.scalar_type() == at::kBFloat16 && x.dim() == 2 && x.size(1) == K,
-              "amx_int4_panel_linear: x must be bf16 [M, ", K, "]");
-  const bool has_bias = bias.has_value() && bias->defined();
-  TORCH_CHECK(!has_bias || bias->numel() == N, "amx_int4_panel_linear: bias must be [N]");
+  const int64_t K = check_int4_panel_args("amx_int4_panel_linear", x, codes, sz, bias, N);
   const int64_t M = x.size(0);
   at::Tensor out = at::empty({M, N}, x.options());  // [M, N]
 #ifdef SRT_LITE_HAVE_AMX
   if (M == 0) return out;
+  const bool has_bias = bias.has_value() && bias->defined();
   at::Tensor xc = x.contiguous();
   const auto* xp = reinterpret_cast<const uint16_t*>(xc.data_ptr<c10::BFloat16>());
   at::Tensor xsum = at::empty({M, K / (2 * kTilePairs)}, x.options().dtype(at::kFloat));  // [M, K / 32]

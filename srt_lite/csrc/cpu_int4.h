@@ -11,7 +11,28 @@
 // x . w = scale * (x . (q - 8)) + zero * sum(x) over the group's 32 k, in fp32.
 #pragma once
 
+#include <ATen/ATen.h>
+
 #include <cstdint>
+#include <optional>
+
+// The arguments both 4-bit panel ops take, checked alike: x [M, K] bf16, codes
+// [N / 64, K / 4, 4, 32] uint8, sz [N / 64, K / 32, 2, 64] fp32, bias [N] or none. Returns K.
+inline int64_t check_int4_panel_args(const char* op, const at::Tensor& x, const at::Tensor& codes, const at::Tensor& sz,
+                                     const std::optional<at::Tensor>& bias, int64_t N) {
+  TORCH_CHECK(codes.scalar_type() == at::kByte && codes.dim() == 4 && codes.is_contiguous() && codes.size(2) == 4 &&
+                  codes.size(3) == 32,
+              op, ": codes must be a contiguous uint8 [N / 64, K / 4, 4, 32]");
+  const int64_t P = codes.size(0), K = 4 * codes.size(1);
+  TORCH_CHECK(K % 32 == 0, op, ": K = ", K, " is not a multiple of 32");
+  TORCH_CHECK(sz.scalar_type() == at::kFloat && sz.is_contiguous() && sz.dim() == 4 && sz.size(0) == P &&
+                  sz.size(1) == K / 32 && sz.size(2) == 2 && sz.size(3) == 64,
+              op, ": sz must be a contiguous fp32 [N / 64, K / 32, 2, 64]");
+  TORCH_CHECK(N > (P - 1) * 64 && N <= P * 64, op, ": N = ", N, " does not fit ", P, " panels");
+  TORCH_CHECK(x.scalar_type() == at::kBFloat16 && x.dim() == 2 && x.size(1) == K, op, ": x must be bf16 [M, ", K, "]");
+  TORCH_CHECK(!(bias.has_value() && bias->defined()) || bias->numel() == N, op, ": bias must be [N]");
+  return K;
+}
 
 #if defined(CPU_CAPABILITY_AVX512) && defined(__GNUC__)
 #define SRT_LITE_HAVE_INT4_PANELS 1
