@@ -27,7 +27,7 @@ logger = logging.getLogger(__name__)
 _CSRC = os.path.join(os.path.dirname(os.path.dirname(__file__)), "csrc")
 SOURCES = [os.path.join(_CSRC, name) for name in ("cpu_attention.cpp", "cpu_prompt_attention.cpp", "cpu_linear.cpp",
                                                   "cpu_amx_linear.cpp", "cpu_int4_linear.cpp", "cpu_prefix_attention.cpp",
-                                                  "cpu_norm_rope.cpp", "cpu_decoder.cpp")]
+                                                  "cpu_norm_rope.cpp", "cpu_decoder.cpp", "cpu_gguf_linear.cpp")]
 # Headers the sources include: not compiled on their own, but part of the build's identity.
 HEADERS = [os.path.join(_CSRC, name) for name in ("cpu_amx.h", "cpu_int4.h", "cpu_prefix_attention.h")]
 _loaded: bool | None = None
