@@ -7,6 +7,7 @@ from dataclasses import dataclass
 
 from transformers import AutoConfig, GenerationConfig, PretrainedConfig
 
+from srt_lite.model_loader import gguf_model
 from srt_lite.model_loader.default_model import ModelPathError, resolve_model_path
 
 logger = logging.getLogger(__name__)
@@ -25,6 +26,7 @@ class ModelConfig:
     vocab_size: int
     eos_token_ids: list[int]
     generation_defaults: dict  # temperature / top_p / top_k ... from generation_config.json
+    gguf_file: str | None = None  # a GGUF file served natively: its weights (path: its config and tokenizer)
 
     def approx_num_params(self) -> int:
         """Parameters of a Llama-shaped decoder from its config (embedding, attention, MLP,
@@ -51,6 +53,7 @@ class ModelConfig:
     @classmethod
     def load(cls, model_path: str | None, context_length: int | None = None) -> "ModelConfig":
         path = resolve_model_path(model_path)
+        gguf_file = gguf_model.gguf_file_of(path)
         try:
             hf = AutoConfig.from_pretrained(path)
         except Exception as e:  # noqa: BLE001 - any parse failure is a bad model dir
@@ -81,6 +84,7 @@ class ModelConfig:
             vocab_size=hf.vocab_size,
             eos_token_ids=eos,
             generation_defaults=_generation_defaults(path),
+            gguf_file=gguf_file,
         )
 
 

@@ -8,10 +8,12 @@ from torch import nn
 
 from srt_lite.distributed import get_tp_rank, get_tp_size, tp_all_gather, tp_all_reduce
 from srt_lite.layers import cpu_kernels
+from srt_lite.layers.gguf_linear import GGUFWeight
 from srt_lite.layers.linear import (
     amx_panels_ok, bf16_gemv_available, bf16_kernel_linear, pack_panels, pack_weight, packed_linear, panel_linear,
     panel_shape,
 )
+from srt_lite.model_loader.gguf_model import QuantSource
 from srt_lite.model_loader.weight_utils import TensorSource, read_narrow
 
 
@@ -36,15 +38,26 @@ class VocabParallelEmbedding(nn.Module):
         self.gemv = False  # one token's logits from the plain weight, see pack_for_cpu
         self.panels: torch.Tensor | None = None  # the LM head in the panel layout, see use_panels
         self.panels_amx = False  # the panels go through AMX tiles (amx_panels_ok)
+        self.gguf: GGUFWeight | None = None  # the weight in a GGUF file's blocks
         self.hidden_size = hidden_size
 
     def weight_loader(self, param: nn.Parameter, src: TensorSource, shard_id=None) -> None:
         n = self.vocab_end - self.vocab_start
+        if isinstance(src, QuantSource) and src.keep:
+            # Kept in its blocks: lookups dequantize their rows, the logits take the blocks.
+            raw = src.narrow_rows(self.vocab_start, n).raw
+            if n < self.vocab_per_rank:  # zero blocks (zero scales) for the padding rows
+                raw = F.pad(raw, (0, 0, 0, self.vocab_per_rank - n))
+            self.gguf = GGUFWeight([(src.type, raw)], src.cols)
+            param.data = torch.empty(0, dtype=param.dtype)
+            return
         param.data[:n].copy_(read_narrow(src, 0, self.vocab_start, n))
 
     def lookup(self, ids: torch.Tensor) -> torch.Tensor:
         """Rows `ids` of this rank's weight, [T] -> [T, hidden]: from the panels when they
         replaced the plain weight (a gather of each row's k pairs)."""
+        if self.gguf is not None:
+            return self.gguf.lookup(ids, self.weight.dtype)
         if self.panels is None:
             return F.embedding(ids, self.weight)
         per_panel = self.panels.shape[2]
@@ -65,7 +78,7 @@ class VocabParallelEmbedding(nn.Module):
         every call, so the LM head keeps a copy packed once (vocab x hidden x 2 bytes more;
         the lookup needs the plain weight). It beats both F.linear and W @ x^T with a
         transposing copy, at decode and at verify row counts (docs/benchmarks.md)."""
-        if self.lookup_only:
+        if self.lookup_only or self.gguf is not None:
             return
         self.packed_weight = pack_weight(self.weight.data)
         # The plain weight stays for the lookup, and one token's logits read it faster in
@@ -77,7 +90,7 @@ class VocabParallelEmbedding(nn.Module):
         srt_lite's panel layout, as the linears. The panels replace the plain weight, and the
         lookup gathers its rows from them, so a tied embedding holds one copy. bf16's layout
         pairs K: an odd one keeps F.linear."""
-        if self.lookup_only or self.weight.shape[1] % panel_shape(self.weight.dtype, wide)[1]:
+        if self.lookup_only or self.gguf is not None or self.weight.shape[1] % panel_shape(self.weight.dtype, wide)[1]:
             return
         self.panels = pack_panels(self.weight.data, wide)
         self.panels_amx = amx_panels_ok(self.panels)
@@ -85,11 +98,13 @@ class VocabParallelEmbedding(nn.Module):
 
     def use_bf16_kernel(self) -> None:
         """bfloat16 on a CPU where oneDNN has no bf16: the LM head's product as the linears'."""
-        self.bf16_kernel = True
+        self.bf16_kernel = self.gguf is None
 
     def compute_logits(self, hidden: torch.Tensor) -> torch.Tensor:
         """[tokens, hidden] -> [tokens, vocab] float32 logits."""
-        if self.gemv and hidden.shape[0] == 1 and cpu_kernels.eager_cpu(hidden):
+        if self.gguf is not None:
+            logits = self.gguf.forward(hidden).float()
+        elif self.gemv and hidden.shape[0] == 1 and cpu_kernels.eager_cpu(hidden):
             logits = torch.ops.srt_lite_cpu.bf16_gemv(hidden, self.weight).float()
         elif self.panels is not None:
             logits = panel_linear(hidden, self.panels, None, self.vocab_per_rank, self.panels_amx).float()
@@ -108,6 +123,8 @@ class ParallelLMHead(VocabParallelEmbedding):
     """The output projection when it is not tied to the embedding."""
 
     def pack_for_cpu(self) -> None:
+        if self.gguf is not None:
+            return
         super().pack_for_cpu()
         self.weight.data = torch.empty(0, dtype=self.weight.dtype)  # no lookup: the packed copy is enough
         self.gemv = False

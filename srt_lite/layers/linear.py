@@ -18,6 +18,8 @@ from torch import nn
 from srt_lite import cpu_caps
 from srt_lite.distributed import get_tp_rank, get_tp_size, tp_all_reduce
 from srt_lite.layers import cpu_kernels
+from srt_lite.layers.gguf_linear import GGUFStaging, GGUFWeight
+from srt_lite.model_loader.gguf_model import QuantSource
 from srt_lite.model_loader.weight_utils import TensorSource, read_narrow
 
 
@@ -262,15 +264,45 @@ class PackableLinear(nn.Module):
     int4_panels: tuple[torch.Tensor, torch.Tensor] | None = None  # see use_int4
     panels: torch.Tensor | None = None  # see use_panels
     panels_amx: bool = False  # the panels go through AMX tiles (amx_panels_ok)
+    gguf: GGUFWeight | None = None  # the weight in a GGUF file's blocks, see stage_gguf
+    gguf_parts = 1  # checkpoint tensors the weight is made of
+    _gguf_staging: GGUFStaging | None = None
+
+    def stage_gguf(self, param: nn.Parameter, src: TensorSource, key, offset: int,
+                   rows: tuple[int, int] | None = None, cols: tuple[int, int] | None = None) -> bool:
+        """Keeps the quantized blocks of this rank's slice of `src` (its `rows` or `cols`,
+        (start, length)) as the part of the weight at output `offset`, instead of reading them
+        dequantized. False where `src` is not kept in blocks or the slice cuts a block."""
+        if param is not self.weight or not isinstance(src, QuantSource) or not src.keep:
+            return False
+        piece = src.narrow_rows(*rows) if rows is not None else src.narrow_cols(*cols)
+        if piece is None:
+            return False
+        if self._gguf_staging is None:
+            self._gguf_staging = GGUFStaging(self.gguf_parts)
+        self._gguf_staging.add(key, offset, piece)
+        return True
+
+    def finish_gguf(self) -> None:
+        """After loading: the staged blocks replace the float weight when they make all of it
+        (GGUFStaging.finish); else they were written into it dequantized."""
+        if self._gguf_staging is None:
+            return
+        self.gguf = self._gguf_staging.finish(self.weight.data)
+        self._gguf_staging = None
+        if self.gguf is not None:
+            self.out_features = self.weight.shape[0]
+            self.weight.data = torch.empty(0, dtype=self.weight.dtype)
 
     def use_bf16_kernel(self) -> None:
-        self.bf16_kernel = True
+        if self.gguf is None:
+            self.bf16_kernel = True
 
     def use_panels(self, wide: bool = False) -> None:
         """PATH_PANELS / PATH_F32_PANELS / PATH_WIDE_PANELS (`wide`): the weight in the panel
         layout, which replaces the plain one (a plain tensor, so a compiled graph takes it as
         an input and calls the op directly)."""
-        if self.weight.shape[1] % panel_shape(self.weight.dtype, wide)[1]:
+        if self.gguf is not None or self.weight.shape[1] % panel_shape(self.weight.dtype, wide)[1]:
             return  # bf16's layout pairs K: an odd one keeps F.linear
         self.out_features = self.weight.shape[0]
         self.panels = pack_panels(self.weight.data, wide)
@@ -288,6 +320,8 @@ class PackableLinear(nn.Module):
             self.int4_panels = pack_int4_panels(codes, scale, zero)
 
     def pack_for_cpu(self) -> None:
+        if self.gguf is not None:
+            return
         out_features = self.weight.shape[0]
         # The opaque packed copy replaces the plain one, so the weights are not held twice.
         self.packed_weight = pack_weight(self.weight.data)
@@ -303,6 +337,8 @@ class PackableLinear(nn.Module):
     def matmul(self, x: torch.Tensor, bias: torch.Tensor | None) -> torch.Tensor:
         # A traced graph serves many row counts (a symbolic size): only the single-token
         # graph, whose size is a plain int, takes the 4-bit copies.
+        if self.gguf is not None:
+            return self.gguf.forward(x, bias)
         rows = x.shape[0]
         if self.int4 is not None and isinstance(rows, int) and rows <= INT4_ROWS:
             y = int4_linear(x, *self.int4)
@@ -328,8 +364,10 @@ class PackableLinear(nn.Module):
     def cpp_choice(self, rows: int) -> tuple[int, torch.Tensor, torch.Tensor | None, int] | None:
         """The product matmul() runs for `rows` rows (no traced graph), as the C++ decoder
         stack takes it: (kind, weight, its scales or None, n); None where it has no C++ form
-        (the oneDNN-packed weight). Keep in step with matmul: tests/test_cpp_decoder.py checks
-        the stack against the Python layers at each row class."""
+        (the oneDNN-packed weight, GGUF blocks). Keep in step with matmul: tests/test_cpp_decoder.py
+        checks the stack against the Python layers at each row class."""
+        if self.gguf is not None:
+            return None
         if self.int4 is not None and rows <= INT4_ROWS:
             return CPP_INT4, self.int4[0], self.int4[1], 0
         if self.int4_panels is not None and rows <= int4_panel_rows():
@@ -443,7 +481,8 @@ class ColumnParallelLinear(PackableLinear):
 
     def weight_loader(self, param: nn.Parameter, src: TensorSource, shard_id=None) -> None:
         n = param.shape[0]
-        param.data.copy_(read_narrow(src, 0, self.tp_rank * n, n))
+        if not self.stage_gguf(param, src, None, 0, rows=(self.tp_rank * n, n)):
+            param.data.copy_(read_narrow(src, 0, self.tp_rank * n, n))
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         return self.matmul(x, self.bias)
@@ -456,12 +495,14 @@ class MergedColumnParallelLinear(ColumnParallelLinear):
     def __init__(self, input_size: int, output_sizes: list[int], bias: bool = False):
         super().__init__(input_size, sum(output_sizes), bias)
         self.output_sizes = output_sizes
+        self.gguf_parts = len(output_sizes)
 
     def weight_loader(self, param: nn.Parameter, src: TensorSource, shard_id: int) -> None:
         per_rank = [divide(s, self.tp_size) for s in self.output_sizes]
         offset = sum(per_rank[:shard_id])
         n = per_rank[shard_id]
-        param.data[offset : offset + n].copy_(read_narrow(src, 0, self.tp_rank * n, n))
+        if not self.stage_gguf(param, src, shard_id, offset, rows=(self.tp_rank * n, n)):
+            param.data[offset : offset + n].copy_(read_narrow(src, 0, self.tp_rank * n, n))
 
 
 class QKVParallelLinear(ColumnParallelLinear):
@@ -489,6 +530,7 @@ class QKVParallelLinear(ColumnParallelLinear):
         super().__init__(hidden_size, total, bias)
         self.q_size = self.num_heads * head_dim
         self.kv_size = self.num_kv_heads * head_dim
+        self.gguf_parts = 3
 
     def weight_loader(self, param: nn.Parameter, src: TensorSource, shard_id: str) -> None:
         if shard_id == "q":
@@ -498,7 +540,8 @@ class QKVParallelLinear(ColumnParallelLinear):
             offset = self.q_size if shard_id == "k" else self.q_size + self.kv_size
             n = self.kv_size
             start = (self.tp_rank // self.num_kv_replicas) * n
-        param.data[offset : offset + n].copy_(read_narrow(src, 0, start, n))
+        if not self.stage_gguf(param, src, shard_id, offset, rows=(start, n)):
+            param.data[offset : offset + n].copy_(read_narrow(src, 0, start, n))
 
 
 class RowParallelLinear(PackableLinear):
@@ -521,7 +564,8 @@ class RowParallelLinear(PackableLinear):
 
     def weight_loader(self, param: nn.Parameter, src: TensorSource, shard_id=None) -> None:
         n = param.shape[1]
-        param.data.copy_(read_narrow(src, 1, self.tp_rank * n, n))
+        if not self.stage_gguf(param, src, None, 0, cols=(self.tp_rank * n, n)):
+            param.data.copy_(read_narrow(src, 1, self.tp_rank * n, n))
 
     @staticmethod
     def _load_bias(param: nn.Parameter, src: TensorSource, shard_id=None) -> None:

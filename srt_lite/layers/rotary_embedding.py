@@ -23,6 +23,16 @@ def _rope_parameters(hf_config) -> dict:
 
 
 def compute_inv_freq(hf_config, head_dim: int) -> tuple[torch.Tensor, float]:
+    inv_freq, scaling = _inv_freq(hf_config, head_dim)
+    # A GGUF file of a llama3-style model carries its scaled RoPE as one factor per frequency
+    # (llama.cpp's rope_freqs tensor), which divides the frequency.
+    factors = getattr(hf_config, "rope_freq_factors", None)
+    if factors is not None:
+        inv_freq = inv_freq / torch.tensor(factors, dtype=torch.float32)
+    return inv_freq, scaling
+
+
+def _inv_freq(hf_config, head_dim: int) -> tuple[torch.Tensor, float]:
     params = _rope_parameters(hf_config)
     rope_type = params.get("rope_type", "default")
     if rope_type == "default":

@@ -26,7 +26,8 @@ from srt_lite.layers.radix_attention import RadixAttention, compiled_forward_bat
 from srt_lite.mem_cache.memory_pool import ReqToTokenPool, TokenToKVPool
 from srt_lite.model_config import ModelConfig
 from srt_lite.model_executor.forward_batch import ForwardBatch
-from srt_lite.model_loader import gguf_quant
+from srt_lite.model_loader import gguf_model, gguf_quant
+from srt_lite.model_loader.gguf_reader import GGUFFile
 from srt_lite.model_loader.weight_utils import count_checkpoint_tensors, iter_checkpoint
 from srt_lite.models.registry import get_model_class
 from srt_lite.server_args import ServerArgs
@@ -87,12 +88,21 @@ class ModelRunner:
                 self.model = cls(cfg.hf_config, max_position=max(cfg.context_len, 1))
         finally:
             torch.set_default_dtype(prev)
-        weights = progress(
-            iter_checkpoint(cfg.path), count_checkpoint_tensors(cfg.path), "Loading weights", enabled=self.tp_rank == 0
-        )
-        self.model.load_weights(weights)
+        if cfg.gguf_file is not None:
+            gguf = GGUFFile(cfg.gguf_file)
+            # Blocks are kept on the CPU (the GGUF kernels are CPU kernels) unless asked not to.
+            keep = self.device == "cpu" and self.server_args.quantization != "none"
+            source, count = gguf_model.iter_weights(gguf, keep), gguf_model.count_weights(gguf)
+        else:
+            source, count = iter_checkpoint(cfg.path), count_checkpoint_tensors(cfg.path)
+        self.model.load_weights(progress(source, count, "Loading weights", enabled=self.tp_rank == 0))
         self.model.eval()
         self.weight_bytes = sum(p.numel() * p.element_size() for p in self.model.parameters())
+        self.gguf_formats: dict[str, int] = {}  # weight format -> layers that keep GGUF blocks
+        for m in self.model.modules():
+            if getattr(m, "gguf", None) is not None:
+                self.weight_bytes += m.gguf.nbytes
+                self.gguf_formats[m.gguf.format] = self.gguf_formats.get(m.gguf.format, 0) + 1
         # Packed linears run at bucketed row counts; forward() pads the tokens once for them.
         self.pad_rows = False
         self.linear_path = PATH_TORCH  # F.linear (cuBLAS on CUDA)
@@ -108,6 +118,8 @@ class ModelRunner:
             and hasattr(self.model.model, "use_cpp_stack") and self.model.model.use_cpp_stack()
         )
         int4 = f", {self.int4_linears} with 4-bit GGUF weights" if self.int4_linears else ""
+        if self.gguf_formats:
+            int4 = ", GGUF blocks: " + ", ".join(f"{n} {fmt}" for fmt, n in sorted(self.gguf_formats.items()))
         logger.info(
             "Loaded %s (%.1f MB, %s, %s, linears: %s%s; CPU %s) in %.1f s",
             cls.__name__, self.weight_bytes / 2**20, self.dtype, self.device, self.linear_path, int4,
@@ -122,7 +134,7 @@ class ModelRunner:
         CUDA, runs dequantized: in fp32 exactly the dequantized checkpoint, as before."""
         mode = self.server_args.quantization
         gguf = gguf_quant.source_gguf(self.model_config.path)
-        if mode == "gguf" and gguf is None:
+        if mode == "gguf" and gguf is None and self.model_config.gguf_file is None:
             raise ValueError("--quantization gguf needs a .gguf checkpoint (--model-path FILE.gguf)")
         if mode == "none" or gguf is None or self.device != "cpu" or self.dtype != torch.bfloat16:
             return 0

@@ -14,7 +14,8 @@ import os
 import shutil
 import tempfile
 
-from srt_lite.model_loader import gguf_quant
+from srt_lite.model_loader import gguf_model, gguf_quant
+from srt_lite.model_loader.gguf_reader import GGUFError
 from srt_lite.utils import cache_root, progress
 
 logger = logging.getLogger(__name__)
@@ -44,7 +45,9 @@ def default_gguf_path() -> str:
 
 
 def resolve_model_path(model_path: str | None) -> str:
-    """Returns a local HF-style directory (config.json, *.safetensors, tokenizer files)."""
+    """Returns a local HF-style directory: config.json and tokenizer files, with
+    *.safetensors weights, or for a .gguf file a folder whose weights are the file's
+    (gguf_model.prepare)."""
     if model_path is None:
         return convert_gguf(default_gguf_path(), name=DEFAULT_MODEL_NAME)
     path = os.path.expanduser(model_path)
@@ -52,7 +55,10 @@ def resolve_model_path(model_path: str | None) -> str:
         raise ModelPathError(f"model path does not exist: {model_path}")
     if os.path.isfile(path):
         if path.endswith(".gguf"):
-            return convert_gguf(path)
+            try:
+                return gguf_model.prepare(path)
+            except GGUFError as e:
+                raise ModelPathError(str(e)) from e
         raise ModelPathError(f"model path is a file but not a .gguf file: {model_path}")
     if not os.path.isfile(os.path.join(path, "config.json")):
         raise ModelPathError(f"no config.json in model directory {model_path}")

