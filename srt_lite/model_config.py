@@ -3,11 +3,11 @@
 from __future__ import annotations
 
 import logging
+import os
 from dataclasses import dataclass
 
 from transformers import AutoConfig, GenerationConfig, PretrainedConfig
 
-from srt_lite.model_loader import gguf_model
 from srt_lite.model_loader.default_model import ModelPathError, resolve_model_path
 
 logger = logging.getLogger(__name__)
@@ -53,7 +53,9 @@ class ModelConfig:
     @classmethod
     def load(cls, model_path: str | None, context_length: int | None = None) -> "ModelConfig":
         path = resolve_model_path(model_path)
-        gguf_file = gguf_model.gguf_file_of(path)
+        gguf_file = None
+        if model_path is not None and os.path.isfile(os.path.expanduser(model_path)):
+            gguf_file = os.path.abspath(os.path.expanduser(model_path))  # resolve accepts only .gguf files
         try:
             hf = AutoConfig.from_pretrained(path)
         except Exception as e:  # noqa: BLE001 - any parse failure is a bad model dir

@@ -31,10 +31,13 @@ RECIPES = {
     "legacy": {"attn_q": "Q5_0", "attn_k": "Q5_1", "attn_v": "Q4_0", "attn_output": "Q4_1", "ffn_gate": "Q8_0",
                "ffn_up": "Q5_0", "ffn_down": "Q4_1", "token_embd": "Q8_0", "output": "Q5_1"},
 }
-# Block scale giving weights of about unit-variance / sqrt(fan_in) size, per type: the
-# codes' spread differs (4-bit codes span 16 steps, Q8_0's 256).
-_SCALE = {"Q4_0": 0.12, "Q4_1": 0.12, "Q5_0": 0.06, "Q5_1": 0.06, "Q8_0": 0.008, "Q4_K": 0.004, "Q5_K": 0.002,
-          "Q6_K": 0.0015}
+
+
+def _unit_rms(t, gen: torch.Generator) -> float:
+    """The RMS of the weights of random `t` blocks whose float16 scales lie in [0.5, 1]."""
+    from srt_lite.model_loader.gguf_types import dequantize
+
+    return dequantize(random_blocks(t, 64, 256, gen, 1.0), t, 256).pow(2).mean().sqrt().item()
 
 
 def _tokenizer_fields() -> dict:
@@ -74,8 +77,9 @@ def write_model(path: str, recipe: str = "Q4_K_M", arch: str = "llama", hidden: 
             w.add_key_value(key, value, GGUFValueType.UINT32)
 
     def quant(name: str, kind: str, rows: int, cols: int) -> None:
+        # Weights of RMS 1 / sqrt(fan in), so activations and logits keep a sane size.
         t = BY_NAME[types[kind]]
-        raw = random_blocks(t, rows, cols, gen, _SCALE[t.name] * (256 / cols) ** 0.5)
+        raw = random_blocks(t, rows, cols, gen, cols**-0.5 / _unit_rms(t, gen))
         w.add_tensor(name, raw.numpy(), raw_dtype=GGMLQuantizationType(t.id))  # shape from the byte shape
 
     def norm(name: str, n: int) -> None:

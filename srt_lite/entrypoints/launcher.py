@@ -17,7 +17,6 @@ from srt_lite.managers.detokenizer_manager import run_detokenizer_process
 from srt_lite.managers.io_struct import SchedulerReady
 from srt_lite.managers.scheduler import run_scheduler_process
 from srt_lite.model_config import ModelConfig
-from srt_lite.model_loader.default_model import resolve_model_path
 from srt_lite.server_args import PortArgs, ServerArgs
 
 logger = logging.getLogger(__name__)
@@ -101,10 +100,10 @@ def launch_subprocesses(server_args: ServerArgs) -> LaunchResult:
     this node's scheduler rank(s) and, on node 0, the detokenizer, and waits until every one
     is ready."""
     start_forkserver()
-    model_dir = resolve_model_path(server_args.model_path)
-    model_config = ModelConfig.load(model_dir, server_args.context_length)
+    model_config = ModelConfig.load(server_args.model_path, server_args.context_length)
     model_config.verify_tp(server_args.tp_size)
-    child_args = dataclasses.replace(server_args, model_path=model_dir)
+    # Children find the converted model (or a GGUF file's prepared folder) without work.
+    child_args = dataclasses.replace(server_args, model_path=model_config.gguf_file or model_config.path)
     port_args = PortArgs.create(server_args.tp_size, server_args.dist_init_addr)
     procs = Subprocesses(port_args)
     try:
@@ -113,7 +112,7 @@ def launch_subprocesses(server_args: ServerArgs) -> LaunchResult:
             name = f"scheduler_TP{rank}"
             readers.append((name, procs.start(name, run_scheduler_process, (child_args, port_args, rank))))
         if server_args.node_rank == 0:
-            readers.append(("detokenizer", procs.start("detokenizer", run_detokenizer_process, (child_args, port_args, model_dir))))
+            readers.append(("detokenizer", procs.start("detokenizer", run_detokenizer_process, (child_args, port_args, model_config.path))))
         infos = procs.wait_ready(readers)
     except BaseException:
         procs.shutdown()
@@ -121,7 +120,7 @@ def launch_subprocesses(server_args: ServerArgs) -> LaunchResult:
     info = SchedulerReady(**infos[0])
     logger.info(
         "Ready: %s, KV capacity %d tokens, context length %d, %s on %s",
-        os.path.basename(model_dir.rstrip("/")), info.max_total_num_tokens, info.max_context_len,
+        os.path.basename(model_config.path.rstrip("/")), info.max_total_num_tokens, info.max_context_len,
         info.dtype, info.device,
     )
     return LaunchResult(procs, port_args, model_config, info)

@@ -57,7 +57,8 @@ _GLOBAL_TENSORS = {
 }
 # Metadata of the file, not weights: llama3-style RoPE frequency factors go into the config.
 _CONFIG_TENSORS = ("rope_freqs.weight",)
-META_RECORD = "srt_lite_gguf.json"  # in the prepared folder: the file it describes
+META_RECORD = "srt_lite_gguf.json"  # written last into a prepared folder
+PREPARED_VERSION = 2  # of what prepare() writes: a change makes new folders
 
 
 class QuantSource:
@@ -136,7 +137,8 @@ def build_config(f: GGUFFile) -> dict:
         "rope_theta": float(field("rope.freq_base", 10000.0)),
         "vocab_size": vocab,
         "tie_word_embeddings": "output.weight" not in f.tensors,
-        "attention_bias": "blk.0.attn_q.bias" in f.tensors,
+        # Llama's flag covers all four projections; Qwen2's q/k/v biases are its model class's.
+        "attention_bias": arch == "llama" and "blk.0.attn_output.bias" in f.tensors,
         "torch_dtype": "bfloat16",
     }
     for key, tok in (("bos_token_id", "tokenizer.ggml.bos_token_id"), ("eos_token_id", "tokenizer.ggml.eos_token_id")):
@@ -165,25 +167,23 @@ def end_token_ids(f: GGUFFile) -> list[int]:
     return ids
 
 
-def _file_key(path: str) -> str:
+def prepared_dir(f: GGUFFile) -> str:
+    """The cache folder of a file's config and tokenizer, keyed by its header (metadata and
+    tensor list), which is all they depend on: a copy or a move of the file finds it again."""
     import hashlib
 
-    st = os.stat(path)
-    ident = f"{os.path.abspath(path)}:{st.st_size}:{int(st.st_mtime)}"
-    return hashlib.sha256(ident.encode()).hexdigest()[:16]
-
-
-def prepared_dir(gguf_path: str) -> str:
-    stem = os.path.basename(gguf_path).removesuffix(".gguf")
-    return os.path.join(cache_root(), "gguf", f"{stem}-{_file_key(gguf_path)}")
+    stem = os.path.basename(f.path).removesuffix(".gguf")
+    digest = hashlib.sha256(f"{PREPARED_VERSION}:".encode() + f.header_bytes()).hexdigest()[:16]
+    return os.path.join(cache_root(), "gguf", f"{stem}-{digest}")
 
 
 def prepare(gguf_path: str) -> str:
     """The folder of config and tokenizer files for `gguf_path` (made once, atomically)."""
-    out_dir = prepared_dir(gguf_path)
-    if os.path.isfile(os.path.join(out_dir, META_RECORD)):
-        return out_dir
     f = GGUFFile(gguf_path)
+    out_dir = prepared_dir(f)
+    if os.path.isfile(os.path.join(out_dir, META_RECORD)):
+        _record(out_dir, gguf_path)
+        return out_dir
     config = build_config(f)
     logger.info("Reading the tokenizer and config of %s (once) into %s", gguf_path, out_dir)
     from transformers import AutoTokenizer
@@ -204,8 +204,7 @@ def prepare(gguf_path: str) -> str:
             json.dump(config, out, indent=1)
         with open(os.path.join(tmp, "generation_config.json"), "w") as out:
             json.dump({"eos_token_id": end_token_ids(f), "bos_token_id": config.get("bos_token_id")}, out)
-        with open(os.path.join(tmp, META_RECORD), "w") as out:
-            json.dump({"gguf_file": os.path.abspath(gguf_path)}, out)
+        _record(tmp, gguf_path)
         try:
             os.rename(tmp, out_dir)
         except OSError:
@@ -216,13 +215,13 @@ def prepare(gguf_path: str) -> str:
     return out_dir
 
 
-def gguf_file_of(model_dir: str) -> str | None:
-    """The GGUF file a prepare()d folder describes (None for any other folder)."""
-    try:
-        with open(os.path.join(model_dir, META_RECORD)) as f:
-            return json.load(f)["gguf_file"]
-    except (OSError, ValueError, KeyError):
-        return None
+def _record(folder: str, gguf_path: str) -> None:
+    """Marks `folder` complete, noting the file it was last prepared for."""
+    path = os.path.join(folder, META_RECORD)
+    tmp = f"{path}.{os.getpid()}.tmp"
+    with open(tmp, "w") as out:
+        json.dump({"gguf_file": os.path.abspath(gguf_path)}, out)
+    os.replace(tmp, path)
 
 
 def _unpermute_rows(x: torch.Tensor, n_head: int) -> torch.Tensor:

@@ -15,7 +15,7 @@ from dataclasses import dataclass
 import numpy as np
 import torch
 
-from srt_lite.model_loader.gguf_types import GGUFType, lookup
+from srt_lite.model_loader.gguf_types import GGUFType, UnsupportedTensorType, lookup
 
 _MAGIC = b"GGUF"
 # Metadata value types (GGUF's): scalar ones as struct formats and numpy dtypes.
@@ -115,11 +115,15 @@ class GGUFFile:
             name = self._string()
             dims = [self._read("<Q") for _ in range(self._read("<I"))]
             infos.append((name, dims, self._read("<I"), self._read("<Q")))
+        self._header_end = self._pos
         align = int(self.metadata.get("general.alignment", 32))
         data_start = -(-self._pos // align) * align
         self.tensors: dict[str, GGUFTensor] = {}
         for name, dims, type_id, offset in infos:
-            t = GGUFTensor(name, lookup(type_id, name), tuple(int(d) for d in reversed(dims)), data_start + offset)
+            try:
+                t = GGUFTensor(name, lookup(type_id, name), tuple(int(d) for d in reversed(dims)), data_start + offset)
+            except UnsupportedTensorType as e:
+                raise GGUFError(f"{self.path}: {e}") from None
             if t.cols % t.type.unit:
                 raise GGUFError(f"{self.path}: tensor {name} has {t.cols} columns, not whole {t.type.name} blocks")
             if t.offset + t.nbytes > len(self._map):
@@ -130,6 +134,10 @@ class GGUFFile:
 
     def get(self, key: str, default=None):
         return self.metadata.get(key, default)
+
+    def header_bytes(self) -> bytes:
+        """The file's header: version, metadata and tensor list (no tensor data)."""
+        return bytes(self._buf[: self._header_end])
 
     def raw(self, name: str) -> torch.Tensor:
         """A tensor's bytes as uint8 [rows, row_bytes], a read-only view of the mapped file
