@@ -214,3 +214,26 @@ def test_unsupported_files_fail_in_one_line(tmp_path):
     not_gguf.write_bytes(b"PK\x03\x04" + bytes(64))
     with pytest.raises(ModelPathError, match="not a GGUF file"):
         ModelConfig.load(str(not_gguf))
+
+
+@pytest.mark.parametrize("key", [("Q4_K_M", "llama"), ("Q5_K_M", "llama"), ("Q6_K", "qwen2"), ("Q8_0", "qwen3")])
+def test_launch_server_serves_the_file(files, key):
+    """`python -m srt_lite.launch_server --model-path X.gguf` for each quantization users
+    download: completions and chat (the file's own template), the blocks kept (no float copy
+    of a quantized weight: the weights held are at most the file's bytes)."""
+    import httpx
+
+    from server_utils import ServerProcess
+
+    path = files[key]
+    with ServerProcess("--model-path", path, "--max-total-tokens", "2048") as s:
+        info = httpx.get(s.base_url + "/server_info", timeout=10).json()
+        assert info["gguf_formats"] and 0 < info["weight_bytes"] <= os.path.getsize(path), info
+        assert {f for fmt in info["gguf_formats"] for f in fmt.split("+")} == set(RECIPES[key[0]].values())
+        name = httpx.get(s.base_url + "/v1/models", timeout=10).json()["data"][0]["id"]
+        r = httpx.post(s.base_url + "/v1/completions", json={"model": name, "prompt": "Hello", "max_tokens": 8,
+                                                              "temperature": 0}, timeout=60)
+        assert r.status_code == 200 and r.json()["usage"]["completion_tokens"] >= 1, r.text
+        r = httpx.post(s.base_url + "/v1/chat/completions", timeout=60, json={
+            "model": name, "messages": [{"role": "user", "content": "Hi"}], "max_tokens": 8})
+        assert r.status_code == 200 and r.json()["choices"][0]["message"]["role"] == "assistant", r.text

@@ -136,6 +136,10 @@ class SchedulerReady:
     dtype: str
     linear_path: str = ""  # how the linears compute (model_runner.linear_path)
     cpu: str = ""  # cpu_caps.get().describe()
+    # Layers that keep a GGUF file's blocks, by weight format ("Q4_K", "Q4_K+Q6_K" for a
+    # fused projection of both); empty when every weight is a float tensor.
+    gguf_formats: dict[str, int] = field(default_factory=dict)
+    weight_bytes: int = 0  # bytes of weights held, quantized blocks included
 
 
 _REGISTRY: dict[str, type] = {

@@ -125,6 +125,8 @@ class Scheduler:
             dtype=str(runner.dtype).removeprefix("torch."),
             linear_path=runner.linear_path,
             cpu=cpu_caps.get().describe(),
+            gguf_formats=runner.gguf_formats,
+            weight_bytes=runner.weight_bytes,
         )
 
     # ---- the loop ------------------------------------------------------------------------
