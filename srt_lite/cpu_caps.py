@@ -45,6 +45,7 @@ class CpuCaps:
     avx2: bool
     avx512: bool  # F, BW, VL and DQ together
     avx512_bf16: bool
+    avx512_vnni: bool  # int8 dot products (vpdpbusd); kept under the avx512 cap (Cascade Lake has them)
     amx_bf16: bool
     arm_bf16: bool  # aarch64 BF16 instructions (Graviton 3, Apple M2 and later)
     onednn_bf16: bool  # oneDNN takes bf16 weights (prepacking, bf16 matmul)
@@ -62,6 +63,7 @@ class CpuCaps:
     def describe(self) -> str:
         """One line for the start-up banner and /get_server_info."""
         names = [n for n, on in (("avx2", self.avx2), ("avx512", self.avx512), ("avx512_bf16", self.avx512_bf16),
+                                 ("avx512_vnni", self.avx512_vnni),
                                  ("amx_bf16", self.amx_bf16), ("arm_bf16", self.arm_bf16)) if on]
         forced = f", capped by {FORCE_ENV}={self.forced}" if self.forced else ""
         return f"{self.arch} {self.level} ({' '.join(names) or 'no vector extensions'}{forced})"
@@ -125,6 +127,7 @@ def detect(flags: set[str] | None = None, arch: str | None = None, forced: str |
         avx2=avx2 and level != "default",
         avx512=avx512 and level == "avx512",
         avx512_bf16=level == "avx512" and forced is None and "avx512_bf16" in flags,
+        avx512_vnni=level == "avx512" and "avx512_vnni" in flags,
         amx_bf16=level == "avx512" and forced is None and "amx_bf16" in flags,
         arm_bf16=arch in _ARM and "bf16" in flags,
         onednn_bf16=False,

@@ -65,14 +65,20 @@ TypeInfo type_info(int64_t type) {
 inline float half_at(const uint8_t* p) {
   uint16_t bits;
   std::memcpy(&bits, p, 2);
+#if defined(__F16C__)
+  return _cvtsh_ss(bits);
+#else
   return c10::detail::fp16_ieee_to_fp32_value(bits);
+#endif
 }
 
-// One unit read into codes [unit], and a, b [unit / 16] (w = a * code + b).
+// One row's run of up to kMaxUnit weights read from its blocks: w = a * code + b, with a and b
+// for each 16 weights. Past `n` (a run shorter than kMaxUnit) a = b = 0.
 struct Unit {
   alignas(64) uint8_t codes[kMaxUnit];
-  float a[kHalves];
-  float b[kHalves];
+  alignas(64) float a16[kHalves];
+  alignas(64) float b16[kHalves];
+  int64_t n;
 };
 
 // The 6-bit scale and minimum of sub-block j of a Q4_K / Q5_K super-block.
@@ -86,199 +92,395 @@ inline void k4_scale_min(const uint8_t* s, int j, int& sc, int& mn) {
   }
 }
 
-// Low nibbles of 16 bytes to codes [0, 16), high nibbles to [16, 32) (Q4_0 ... Q5_1).
-inline void nibbles32(const uint8_t* qs, uint8_t* codes) {
-  for (int l = 0; l < 16; ++l) {
-    codes[l] = qs[l] & 0xF;
-    codes[l + 16] = qs[l] >> 4;
+inline void set_scale32(Unit& u, int64_t g, float a, float b) {  // weights [32 g, 32 g + 32)
+  u.a16[2 * g] = u.a16[2 * g + 1] = a;
+  u.b16[2 * g] = u.b16[2 * g + 1] = b;
+}
+
+// The eight sub-blocks' scales d * sc and offsets -dmin * m of a Q4_K / Q5_K super-block
+// (6-bit fields packed in 12 bytes), each for its 32 weights.
+inline void set_k4_scales(Unit& u, const uint8_t* packed, float d, float dmin) {
+#if defined(__AVX2__)
+  // llama.cpp's unpacking: bytes 0-7 become the scales, 8-15 the minimums.
+  uint32_t w[4];
+  std::memcpy(w, packed, 12);
+  const uint32_t m6 = 0x3f3f3f3f, m4 = 0x0f0f0f0f, m2 = 0x03030303;
+  w[3] = ((w[2] >> 4) & m4) | (((w[1] >> 6) & m2) << 4);
+  const uint32_t mins_lo = w[1] & m6;
+  w[1] = (w[2] & m4) | (((w[0] >> 6) & m2) << 4);
+  w[2] = mins_lo;
+  w[0] &= m6;
+  const __m128i bytes = _mm_loadu_si128(reinterpret_cast<const __m128i*>(w));
+  const __m256 sc = _mm256_mul_ps(_mm256_set1_ps(d), _mm256_cvtepi32_ps(_mm256_cvtepu8_epi32(bytes)));
+  const __m256 mn = _mm256_mul_ps(_mm256_set1_ps(-dmin), _mm256_cvtepi32_ps(_mm256_cvtepu8_epi32(_mm_srli_si128(bytes, 8))));
+  const __m256i lo = _mm256_set_epi32(3, 3, 2, 2, 1, 1, 0, 0), hi = _mm256_set_epi32(7, 7, 6, 6, 5, 5, 4, 4);
+  _mm256_store_ps(u.a16, _mm256_permutevar8x32_ps(sc, lo));
+  _mm256_store_ps(u.a16 + 8, _mm256_permutevar8x32_ps(sc, hi));
+  _mm256_store_ps(u.b16, _mm256_permutevar8x32_ps(mn, lo));
+  _mm256_store_ps(u.b16 + 8, _mm256_permutevar8x32_ps(mn, hi));
+#else
+  for (int j = 0; j < 8; ++j) {
+    int sc, mn;
+    k4_scale_min(packed, j, sc, mn);
+    set_scale32(u, j, d * static_cast<float>(sc), -dmin * static_cast<float>(mn));
   }
+#endif
 }
 
-inline void high_bits32(const uint8_t* qh, uint8_t* codes) {
-  uint32_t h;
-  std::memcpy(&h, qh, 4);
-  for (int l = 0; l < 32; ++l) codes[l] |= ((h >> l) & 1) << 4;
+#if defined(__AVX2__)
+inline __m256i load32(const uint8_t* p) { return _mm256_loadu_si256(reinterpret_cast<const __m256i*>(p)); }
+inline void store32(uint8_t* p, __m256i v) { _mm256_store_si256(reinterpret_cast<__m256i*>(p), v); }
+// Byte l = 0xFF where bit l of the 32-bit word at p is set (llama.cpp's bytes_from_bits_32).
+inline __m256i bits_to_bytes(const uint8_t* p) {
+  uint32_t x;
+  std::memcpy(&x, p, 4);
+  const __m256i shuf = _mm256_set_epi64x(0x0303030303030303, 0x0202020202020202, 0x0101010101010101, 0);
+  const __m256i bytes = _mm256_or_si256(_mm256_shuffle_epi8(_mm256_set1_epi32(static_cast<int>(x)), shuf),
+                                        _mm256_set1_epi64x(0x7fbfdfeff7fbfdfe));
+  return _mm256_cmpeq_epi8(bytes, _mm256_set1_epi64x(-1));
+}
+#endif
+
+// The codes of one 32-weight block of Q4_0 / Q4_1 / Q5_0 / Q5_1: low nibbles first, the
+// fifth bit of element l in bit l of qh.
+inline void legacy_codes(const uint8_t* qs, const uint8_t* qh, uint8_t* codes) {
+#if defined(__AVX2__)
+  const __m128i v = _mm_loadu_si128(reinterpret_cast<const __m128i*>(qs));
+  const __m128i lo = _mm_and_si128(v, _mm_set1_epi8(0xF)), hi = _mm_and_si128(_mm_srli_epi16(v, 4), _mm_set1_epi8(0xF));
+  __m256i c = _mm256_set_m128i(hi, lo);
+  if (qh) c = _mm256_or_si256(c, _mm256_and_si256(bits_to_bytes(qh), _mm256_set1_epi8(0x10)));
+  store32(codes, c);
+#else
+  uint32_t h = 0;
+  if (qh) std::memcpy(&h, qh, 4);
+  for (int l = 0; l < 16; ++l) {
+    codes[l] = (qs[l] & 0xF) | (((h >> l) & 1) << 4);
+    codes[l + 16] = (qs[l] >> 4) | (((h >> (l + 16)) & 1) << 4);
+  }
+#endif
 }
 
-void read_unit(int64_t type, const uint8_t* blk, Unit& u) {
+// Reads weights [k0, k0 + n) of one row (n a multiple of the type's block, at most kMaxUnit).
+// Q8_0's codes are its signed values unless kOffset8, where they are value + 128 (b = -128 a).
+template <bool kOffset8>
+void read_unit(int64_t type, const uint8_t* row, int64_t k0, int64_t n, Unit& u) {
+  u.n = n;
+  if (n < kMaxUnit) {
+    std::memset(u.a16 + n / 16, 0, (kMaxUnit - n) / 4);
+    std::memset(u.b16 + n / 16, 0, (kMaxUnit - n) / 4);
+  }
   switch (type) {
-    case kQ4_0: case kQ4_1: case kQ5_0: case kQ5_1: {
-      const float d = half_at(blk);
-      const bool has_min = type == kQ4_1 || type == kQ5_1;
-      const bool five = type == kQ5_0 || type == kQ5_1;
-      const uint8_t* q = blk + (has_min ? 4 : 2);
-      nibbles32(q + (five ? 4 : 0), u.codes);
-      if (five) high_bits32(q, u.codes);
-      const float b = has_min ? half_at(blk + 2) : -d * (five ? 16.f : 8.f);
-      u.a[0] = u.a[1] = d;
-      u.b[0] = u.b[1] = b;
-      return;
-    }
-    case kQ8_0: {
-      const float d = half_at(blk);
-      std::memcpy(u.codes, blk + 2, 32);  // signed
-      u.a[0] = u.a[1] = d;
-      u.b[0] = u.b[1] = 0.f;
+    case kQ4_0: case kQ4_1: case kQ5_0: case kQ5_1: case kQ8_0: {
+      const TypeInfo info = type_info(type);
+      for (int64_t g = 0; g < n / 32; ++g) {
+        const uint8_t* blk = row + (k0 / 32 + g) * info.bytes;
+        const float d = half_at(blk);
+        if (type == kQ8_0) {
+#if defined(__AVX2__)
+          __m256i q = load32(blk + 2);
+          if (kOffset8) q = _mm256_xor_si256(q, _mm256_set1_epi8(static_cast<char>(0x80)));
+          store32(u.codes + 32 * g, q);
+#else
+          for (int l = 0; l < 32; ++l) u.codes[32 * g + l] = blk[2 + l] ^ (kOffset8 ? 0x80 : 0);
+#endif
+          set_scale32(u, g, d, kOffset8 ? -128.f * d : 0.f);
+          continue;
+        }
+        const bool has_min = type == kQ4_1 || type == kQ5_1, five = type == kQ5_0 || type == kQ5_1;
+        const uint8_t* q = blk + (has_min ? 4 : 2);
+        legacy_codes(q + (five ? 4 : 0), five ? q : nullptr, u.codes + 32 * g);
+        set_scale32(u, g, d, has_min ? half_at(blk + 2) : -d * (five ? 16.f : 8.f));
+      }
       return;
     }
     case kQ4_K: case kQ5_K: {
+      const uint8_t* blk = row + (k0 / 256) * (type == kQ5_K ? 176 : 144);
       const float d = half_at(blk), dmin = half_at(blk + 2);
-      const uint8_t* scales = blk + 4;
       const uint8_t* qh = blk + 16;
       const uint8_t* qs = blk + (type == kQ5_K ? 48 : 16);
-      for (int c = 0; c < 4; ++c) {  // 64 weights: the low nibbles of 32 bytes, then the high
-        uint8_t* lo = u.codes + 64 * c;
-        for (int l = 0; l < 32; ++l) {
-          lo[l] = qs[32 * c + l] & 0xF;
-          lo[l + 32] = qs[32 * c + l] >> 4;
-        }
+      // 64 weights at a time: the low nibbles of 32 bytes, then their high nibbles.
+#if defined(__AVX2__)
+      const __m256i m4 = _mm256_set1_epi8(0xF);
+      const __m256i hv = type == kQ5_K ? load32(qh) : _mm256_setzero_si256();
+      for (int c = 0; c < 4; ++c) {
+        const __m256i v = load32(qs + 32 * c);
+        __m256i lo = _mm256_and_si256(v, m4), hi = _mm256_and_si256(_mm256_srli_epi16(v, 4), m4);
         if (type == kQ5_K) {
-          for (int l = 0; l < 32; ++l) {
-            lo[l] |= ((qh[l] >> (2 * c)) & 1) << 4;
-            lo[l + 32] |= ((qh[l] >> (2 * c + 1)) & 1) << 4;
+          const __m256i bl = _mm256_set1_epi8(static_cast<char>(1 << (2 * c))), bh = _mm256_set1_epi8(static_cast<char>(2 << (2 * c)));
+          const __m256i five = _mm256_set1_epi8(0x10);
+          lo = _mm256_or_si256(lo, _mm256_and_si256(_mm256_cmpeq_epi8(_mm256_and_si256(hv, bl), bl), five));
+          hi = _mm256_or_si256(hi, _mm256_and_si256(_mm256_cmpeq_epi8(_mm256_and_si256(hv, bh), bh), five));
+        }
+        store32(u.codes + 64 * c, lo);
+        store32(u.codes + 64 * c + 32, hi);
+      }
+#else
+      for (int c = 0; c < 4; ++c) {
+        for (int l = 0; l < 32; ++l) {
+          uint8_t lo = qs[32 * c + l] & 0xF, hi = qs[32 * c + l] >> 4;
+          if (type == kQ5_K) {
+            lo |= ((qh[l] >> (2 * c)) & 1) << 4;
+            hi |= ((qh[l] >> (2 * c + 1)) & 1) << 4;
           }
+          u.codes[64 * c + l] = lo;
+          u.codes[64 * c + 32 + l] = hi;
         }
       }
-      for (int j = 0; j < 8; ++j) {
-        int sc, mn;
-        k4_scale_min(scales, j, sc, mn);
-        u.a[2 * j] = u.a[2 * j + 1] = d * static_cast<float>(sc);
-        u.b[2 * j] = u.b[2 * j + 1] = -dmin * static_cast<float>(mn);
-      }
+#endif
+      set_k4_scales(u, blk + 4, d, dmin);
       return;
     }
     case kQ6_K: {
+      const uint8_t* blk = row + (k0 / 256) * 210;
       const uint8_t* ql = blk;
       const uint8_t* qh = blk + 128;
       const int8_t* sc = reinterpret_cast<const int8_t*>(blk + 192);
       const float d = half_at(blk + 208);
       for (int h = 0; h < 2; ++h) {
+        uint8_t* c = u.codes + 128 * h;
+#if defined(__AVX2__)
+        const __m256i l0 = load32(ql + 64 * h), l1 = load32(ql + 64 * h + 32), hb = load32(qh + 32 * h);
+        const __m256i m4 = _mm256_set1_epi8(0xF), m30 = _mm256_set1_epi8(0x30);
+        store32(c, _mm256_or_si256(_mm256_and_si256(l0, m4), _mm256_and_si256(_mm256_slli_epi16(hb, 4), m30)));
+        store32(c + 32, _mm256_or_si256(_mm256_and_si256(l1, m4), _mm256_and_si256(_mm256_slli_epi16(hb, 2), m30)));
+        store32(c + 64, _mm256_or_si256(_mm256_and_si256(_mm256_srli_epi16(l0, 4), m4), _mm256_and_si256(hb, m30)));
+        store32(c + 96, _mm256_or_si256(_mm256_and_si256(_mm256_srli_epi16(l1, 4), m4),
+                                        _mm256_and_si256(_mm256_srli_epi16(hb, 2), m30)));
+#else
         const uint8_t* l4 = ql + 64 * h;
         const uint8_t* h2 = qh + 32 * h;
-        uint8_t* c = u.codes + 128 * h;
         for (int l = 0; l < 32; ++l) {
           c[l] = (l4[l] & 0xF) | ((h2[l] & 3) << 4);
           c[l + 32] = (l4[l + 32] & 0xF) | (((h2[l] >> 2) & 3) << 4);
           c[l + 64] = (l4[l] >> 4) | (((h2[l] >> 4) & 3) << 4);
           c[l + 96] = (l4[l + 32] >> 4) | (((h2[l] >> 6) & 3) << 4);
         }
+#endif
       }
+#if defined(__AVX2__)
+      const __m128i s8 = _mm_loadu_si128(reinterpret_cast<const __m128i*>(sc));
+      const __m256 dv = _mm256_set1_ps(d), m32 = _mm256_set1_ps(-32.f);
+      const __m256 lo = _mm256_mul_ps(dv, _mm256_cvtepi32_ps(_mm256_cvtepi8_epi32(s8)));
+      const __m256 hi = _mm256_mul_ps(dv, _mm256_cvtepi32_ps(_mm256_cvtepi8_epi32(_mm_srli_si128(s8, 8))));
+      _mm256_store_ps(u.a16, lo);
+      _mm256_store_ps(u.a16 + 8, hi);
+      _mm256_store_ps(u.b16, _mm256_mul_ps(m32, lo));
+      _mm256_store_ps(u.b16 + 8, _mm256_mul_ps(m32, hi));
+#else
       for (int j = 0; j < 16; ++j) {
-        u.a[j] = d * static_cast<float>(sc[j]);
-        u.b[j] = -32.f * u.a[j];
+        u.a16[j] = d * static_cast<float>(sc[j]);
+        u.b16[j] = -32.f * u.a16[j];
       }
+#endif
       return;
     }
     default: TORCH_CHECK(false, "gguf: tensor type ", type, " has no kernel");
   }
 }
 
+// The run of weights read at a time from `type`'s rows: a super-block, or 8 small blocks.
+inline int64_t run_length(int64_t type, int64_t K, int64_t k0) { return std::min<int64_t>(kMaxUnit, K - k0); }
+
 // One weight row [K] to float.
 void dequantize_row(int64_t type, const uint8_t* row, int64_t K, float* out) {
-  const TypeInfo info = type_info(type);
   Unit u;
-  const bool is_signed = type == kQ8_0;
-  for (int64_t k0 = 0; k0 < K; k0 += info.unit) {
-    read_unit(type, row + (k0 / info.unit) * info.bytes, u);
-    for (int64_t e = 0; e < info.unit; ++e) {
-      const float code = is_signed ? static_cast<float>(static_cast<int8_t>(u.codes[e])) : static_cast<float>(u.codes[e]);
-      out[k0 + e] = u.a[e / 16] * code + u.b[e / 16];
+  for (int64_t k0 = 0; k0 < K; k0 += kMaxUnit) {
+    read_unit<false>(type, row, k0, run_length(type, K, k0), u);
+    for (int64_t e = 0; e < u.n; ++e) {
+      const float code = type == kQ8_0 ? static_cast<float>(static_cast<int8_t>(u.codes[e])) : static_cast<float>(u.codes[e]);
+      out[k0 + e] = u.a16[e / 16] * code + u.b16[e / 16];
     }
   }
 }
 
-// x [M, K] quantized per 32 values: q int8 [M, K], dx [M, K / 32], and for each 16 values
-// dx * sum(q) ([M, K / 16]).
+// x [M, K] quantized per 32 values, rows padded with zeros to Kp (a multiple of kMaxUnit):
+// q int8 [M, Kp]; dx4 [M, Kp / 4], each 32 values' scale repeated for each 4 (the lanes of a
+// dot product); sums [M, Kp / 16], dx * sum(q) of each 16 values.
 struct QuantizedX {
+  int64_t Kp;
   std::vector<int8_t> q;
-  std::vector<float> dx;
+  std::vector<float> dx4;
   std::vector<float> sums;
 };
 
 template <typename T>
 QuantizedX quantize_x(const T* x, int64_t M, int64_t K) {
-  QuantizedX out{std::vector<int8_t>(M * K), std::vector<float>(M * K / 32), std::vector<float>(M * K / 16)};
-  at::parallel_for(0, M * K / 32, 64, [&](int64_t begin, int64_t end) {
-    for (int64_t g = begin; g < end; ++g) {
+  const int64_t Kp = (K + kMaxUnit - 1) / kMaxUnit * kMaxUnit;
+  QuantizedX out{Kp, std::vector<int8_t>(M * Kp, 0), std::vector<float>(M * Kp / 4, 0.f),
+                 std::vector<float>(M * Kp / 16, 0.f)};
+  const int64_t groups = K / 32;
+  at::parallel_for(0, M * groups, 64, [&](int64_t begin, int64_t end) {
+    for (int64_t i = begin; i < end; ++i) {
+      const int64_t m = i / groups, g = i % groups;
+      const T* src = x + m * K + 32 * g;
       float v[32], amax = 0.f;
-      for (int i = 0; i < 32; ++i) {
-        v[i] = static_cast<float>(x[g * 32 + i]);
-        amax = std::max(amax, std::fabs(v[i]));
+      for (int l = 0; l < 32; ++l) {
+        v[l] = static_cast<float>(src[l]);
+        amax = std::max(amax, std::fabs(v[l]));
       }
       const float d = amax / 127.f, id = d > 0.f ? 1.f / d : 0.f;
       int sum[2] = {0, 0};
-      for (int i = 0; i < 32; ++i) {
-        const int q = static_cast<int>(std::nearbyint(v[i] * id));
-        out.q[g * 32 + i] = static_cast<int8_t>(q);
-        sum[i / 16] += q;
+      int8_t* q = out.q.data() + m * Kp + 32 * g;
+      for (int l = 0; l < 32; ++l) {
+        const int qi = static_cast<int>(std::nearbyint(v[l] * id));
+        q[l] = static_cast<int8_t>(qi);
+        sum[l / 16] += qi;
       }
-      out.dx[g] = d;
-      out.sums[2 * g] = d * static_cast<float>(sum[0]);
-      out.sums[2 * g + 1] = d * static_cast<float>(sum[1]);
+      float* dx4 = out.dx4.data() + (m * Kp + 32 * g) / 4;
+      for (int l = 0; l < 8; ++l) dx4[l] = d;
+      out.sums[(m * Kp + 32 * g) / 16] = d * static_cast<float>(sum[0]);
+      out.sums[(m * Kp + 32 * g) / 16 + 1] = d * static_cast<float>(sum[1]);
     }
   });
   return out;
 }
 
-// out[m, n] for rows [m0, m0 + mr) of x and one weight row, into y (fp32 [M, ldy]).
-template <bool kSigned>
-void dot_row(int64_t type, const uint8_t* row, int64_t K, const QuantizedX& xq, int64_t m0, int64_t mr, float* y,
-             int64_t ldy) {
-  const TypeInfo info = type_info(type);
-  const int64_t groups = info.unit / 32;
-  Unit u;
-  float bias_acc[kRowTile] = {0};
-#if defined(__AVX2__)
-  __m256 acc[kRowTile];
-  for (int m = 0; m < kRowTile; ++m) acc[m] = _mm256_setzero_ps();
-  const __m256i ones = _mm256_set1_epi16(1);
+bool g_allow_vnni = false;  // set from srt_lite.cpu_caps (SRT_LITE_CPU_CAPS may deny it)
+
+void gguf_allow_vnni(bool allow) {
+#if defined(__GNUC__) && (defined(__x86_64__) || defined(__i386__))
+  g_allow_vnni = allow && __builtin_cpu_supports("avx512vnni") && __builtin_cpu_supports("avx512bw");
 #else
-  float acc[kRowTile] = {0};
+  g_allow_vnni = false;
 #endif
-  for (int64_t k0 = 0; k0 < K; k0 += info.unit) {
-    read_unit(type, row + (k0 / info.unit) * info.bytes, u);
-    for (int64_t m = 0; m < mr; ++m) {
-      const int8_t* qx = xq.q.data() + (m0 + m) * K + k0;
-      const float* dx = xq.dx.data() + ((m0 + m) * K + k0) / 32;
-      const float* sums = xq.sums.data() + ((m0 + m) * K + k0) / 16;
-      for (int64_t h = 0; h < 2 * groups; ++h) bias_acc[m] += u.b[h] * sums[h];
-      for (int64_t g = 0; g < groups; ++g) {
-#if defined(__AVX2__)
-        const __m256i w = _mm256_load_si256(reinterpret_cast<const __m256i*>(u.codes + 32 * g));
-        const __m256i v = _mm256_loadu_si256(reinterpret_cast<const __m256i*>(qx + 32 * g));
-        __m256i p;
-        if constexpr (kSigned) {
-          p = _mm256_maddubs_epi16(_mm256_sign_epi8(w, w), _mm256_sign_epi8(v, w));
-        } else {
-          p = _mm256_maddubs_epi16(w, v);
-        }
-        // int32 lane j holds weights 4j .. 4j + 3: lanes 0-3 the first 16, 4-7 the second.
-        const __m256 s = _mm256_mul_ps(_mm256_set_m128(_mm_set1_ps(u.a[2 * g + 1]), _mm_set1_ps(u.a[2 * g])),
-                                       _mm256_set1_ps(dx[g]));
-        acc[m] = _mm256_fmadd_ps(_mm256_cvtepi32_ps(_mm256_madd_epi16(p, ones)), s, acc[m]);
-#else
-        for (int half = 0; half < 2; ++half) {
-          int32_t isum = 0;
-          for (int i = 0; i < 16; ++i) {
-            const int e = 32 * g + 16 * half + i;
-            const int32_t c = kSigned ? static_cast<int8_t>(u.codes[e]) : u.codes[e];
-            isum += c * qx[e];
-          }
-          acc[m] += u.a[2 * g + half] * dx[g] * static_cast<float>(isum);
-        }
-#endif
-      }
+}
+
+// acc[m] (lanes of a dot product) and bacc[m] (the offsets' sums) of rows [m0, m0 + MR) of x
+// against one run of a weight row. Each product adds its runs in order, whatever MR is.
+#if defined(CPU_CAPABILITY_AVX512) && defined(__GNUC__)
+// 64 bytes of a Unit read as two 32-byte halves: read_unit writes 32 bytes at a time, and a
+// 64-byte load of two fresh 32-byte stores cannot be forwarded from them (a stall each).
+__attribute__((target("avx512f")))
+inline __m512i load64_halves(const void* p) {
+  const __m256i* h = static_cast<const __m256i*>(p);
+  return _mm512_inserti64x4(_mm512_castsi256_si512(_mm256_load_si256(h)), _mm256_load_si256(h + 1), 1);
+}
+
+template <int MR>
+__attribute__((target("avx512f,avx512bw,avx512vnni")))
+void run_vnni(const Unit& u, const QuantizedX& xq, int64_t m0, int64_t k0, __m512* acc, __m512* bacc) {
+  const __m512i zero = _mm512_setzero_si512();
+  const __m512 a16 = _mm512_castsi512_ps(load64_halves(u.a16));
+  // Lane j of 64 weights' dot product covers weights 4j .. 4j + 3: its scale is a16[j / 4].
+  const __m512i lane16 = _mm512_srli_epi32(_mm512_set_epi32(15, 14, 13, 12, 11, 10, 9, 8, 7, 6, 5, 4, 3, 2, 1, 0), 2);
+  for (int64_t p = 0; p < (u.n + 63) / 64; ++p) {
+    const __m512i w = load64_halves(u.codes + 64 * p);
+    const __m512 a = _mm512_permutexvar_ps(_mm512_add_epi32(lane16, _mm512_set1_epi32(4 * p)), a16);
+    for (int m = 0; m < MR; ++m) {
+      const int64_t base = (m0 + m) * xq.Kp + k0 + 64 * p;
+      const __m512i v = _mm512_loadu_si512(xq.q.data() + base);
+      const __m512 s = _mm512_mul_ps(a, _mm512_loadu_ps(xq.dx4.data() + base / 4));
+      acc[m] = _mm512_fmadd_ps(_mm512_cvtepi32_ps(_mm512_dpbusd_epi32(zero, w, v)), s, acc[m]);
     }
   }
-  for (int64_t m = 0; m < mr; ++m) {
-#if defined(__AVX2__)
-    const __m128 s4 = _mm_add_ps(_mm256_castps256_ps128(acc[m]), _mm256_extractf128_ps(acc[m], 1));
-    const __m128 s2 = _mm_add_ps(s4, _mm_movehl_ps(s4, s4));
-    const float total = _mm_cvtss_f32(_mm_add_ss(s2, _mm_movehdup_ps(s2)));
-#else
-    const float total = acc[m];
+  const __m512 b = _mm512_castsi512_ps(load64_halves(u.b16));
+  for (int m = 0; m < MR; ++m) {
+    bacc[m] = _mm512_fmadd_ps(b, _mm512_loadu_ps(xq.sums.data() + ((m0 + m) * xq.Kp + k0) / 16), bacc[m]);
+  }
+}
+
+template <int MR>
+__attribute__((target("avx512f,avx512bw,avx512vnni")))
+void row_vnni(int64_t type, const uint8_t* row, int64_t K, const QuantizedX& xq, int64_t m0, float* y, int64_t ldy) {
+  __m512 acc[MR], bacc[MR];
+  for (int m = 0; m < MR; ++m) acc[m] = bacc[m] = _mm512_setzero_ps();
+  Unit u;
+  for (int64_t k0 = 0; k0 < K; k0 += kMaxUnit) {
+    read_unit<true>(type, row, k0, run_length(type, K, k0), u);
+    run_vnni<MR>(u, xq, m0, k0, acc, bacc);
+  }
+  for (int m = 0; m < MR; ++m) y[(m0 + m) * ldy] = _mm512_reduce_add_ps(acc[m]) + _mm512_reduce_add_ps(bacc[m]);
+}
 #endif
-    y[(m0 + m) * ldy] = total + bias_acc[m];
+
+#if defined(__AVX2__)
+inline float hsum256(__m256 v) {
+  const __m128 s4 = _mm_add_ps(_mm256_castps256_ps128(v), _mm256_extractf128_ps(v, 1));
+  const __m128 s2 = _mm_add_ps(s4, _mm_movehl_ps(s4, s4));
+  return _mm_cvtss_f32(_mm_add_ss(s2, _mm_movehdup_ps(s2)));
+}
+#endif
+
+// The same without VNNI: AVX2's byte products (Q8_0's signed codes through the sign trick,
+// as an offset code would overflow their 16-bit sums), or plain C++.
+template <int MR>
+void row_plain(int64_t type, const uint8_t* row, int64_t K, const QuantizedX& xq, int64_t m0, float* y, int64_t ldy) {
+  const bool is_signed = type == kQ8_0;
+  Unit u;
+#if defined(__AVX2__)
+  __m256 acc[MR], bacc[MR];
+  for (int m = 0; m < MR; ++m) acc[m] = bacc[m] = _mm256_setzero_ps();
+  const __m256i ones = _mm256_set1_epi16(1);
+#else
+  float acc[MR] = {0}, bacc[MR] = {0};
+#endif
+  for (int64_t k0 = 0; k0 < K; k0 += kMaxUnit) {
+    read_unit<false>(type, row, k0, run_length(type, K, k0), u);
+#if defined(__AVX2__)
+    for (int64_t h = 0; h < u.n / 32; ++h) {
+      const __m256i w = _mm256_load_si256(reinterpret_cast<const __m256i*>(u.codes + 32 * h));
+      const __m256i wabs = is_signed ? _mm256_sign_epi8(w, w) : w;
+      // Lane j covers weights 4j .. 4j + 3 of the 32: scale a16[2h + j / 4].
+      const __m256 a = _mm256_permutevar8x32_ps(_mm256_load_ps(u.a16 + (2 * h & ~7)),
+                                                _mm256_add_epi32(_mm256_set_epi32(1, 1, 1, 1, 0, 0, 0, 0),
+                                                                 _mm256_set1_epi32(2 * h & 7)));
+      for (int m = 0; m < MR; ++m) {
+        const int64_t base = (m0 + m) * xq.Kp + k0 + 32 * h;
+        __m256i v = _mm256_loadu_si256(reinterpret_cast<const __m256i*>(xq.q.data() + base));
+        if (is_signed) v = _mm256_sign_epi8(v, w);
+        const __m256i dot = _mm256_madd_epi16(_mm256_maddubs_epi16(wabs, v), ones);
+        const __m256 s = _mm256_mul_ps(a, _mm256_loadu_ps(xq.dx4.data() + base / 4));
+        acc[m] = _mm256_fmadd_ps(_mm256_cvtepi32_ps(dot), s, acc[m]);
+      }
+    }
+    for (int m = 0; m < MR; ++m) {
+      const float* sums = xq.sums.data() + ((m0 + m) * xq.Kp + k0) / 16;
+      bacc[m] = _mm256_fmadd_ps(_mm256_load_ps(u.b16), _mm256_loadu_ps(sums), bacc[m]);
+      bacc[m] = _mm256_fmadd_ps(_mm256_load_ps(u.b16 + 8), _mm256_loadu_ps(sums + 8), bacc[m]);
+    }
+#else
+    for (int m = 0; m < MR; ++m) {
+      const int64_t base = (m0 + m) * xq.Kp + k0;
+      for (int64_t j = 0; j < u.n / 4; ++j) {
+        int32_t dot = 0;
+        for (int i = 0; i < 4; ++i) {
+          const int32_t c = is_signed ? static_cast<int8_t>(u.codes[4 * j + i]) : u.codes[4 * j + i];
+          dot += c * xq.q[base + 4 * j + i];
+        }
+        acc[m] += static_cast<float>(dot) * (u.a16[j / 4] * xq.dx4[base / 4 + j]);
+      }
+      for (int64_t j = 0; j < u.n / 16; ++j) bacc[m] += u.b16[j] * xq.sums[base / 16 + j];
+    }
+#endif
+  }
+  for (int m = 0; m < MR; ++m) {
+#if defined(__AVX2__)
+    y[(m0 + m) * ldy] = hsum256(acc[m]) + hsum256(bacc[m]);
+#else
+    y[(m0 + m) * ldy] = acc[m] + bacc[m];
+#endif
+  }
+}
+
+template <int MR>
+void dot_row(int64_t type, const uint8_t* row, int64_t K, const QuantizedX& xq, int64_t m0, float* y, int64_t ldy) {
+#if defined(CPU_CAPABILITY_AVX512) && defined(__GNUC__)
+  if (g_allow_vnni) return row_vnni<MR>(type, row, K, xq, m0, y, ldy);
+#endif
+  row_plain<MR>(type, row, K, xq, m0, y, ldy);
+}
+
+void dot_rows(int64_t type, const uint8_t* row, int64_t K, const QuantizedX& xq, int64_t m0, int64_t mr, float* y,
+              int64_t ldy) {
+  switch (mr) {
+    case 1: return dot_row<1>(type, row, K, xq, m0, y, ldy);
+    case 2: return dot_row<2>(type, row, K, xq, m0, y, ldy);
+    case 3: return dot_row<3>(type, row, K, xq, m0, y, ldy);
+    case 4: return dot_row<4>(type, row, K, xq, m0, y, ldy);
+    case 5: return dot_row<5>(type, row, K, xq, m0, y, ldy);
+    case 6: return dot_row<6>(type, row, K, xq, m0, y, ldy);
+    case 7: return dot_row<7>(type, row, K, xq, m0, y, ldy);
+    default: return dot_row<8>(type, row, K, xq, m0, y, ldy);
   }
 }
 
@@ -317,12 +519,7 @@ void dot_linear(const at::Tensor& x, const Parts& parts, float* y) {
       const size_t p = std::upper_bound(parts.first.begin(), parts.first.end(), n) - parts.first.begin() - 1;
       const uint8_t* row = parts.data[p] + (n - parts.first[p]) * parts.row_bytes[p];
       for (int64_t m0 = 0; m0 < M; m0 += kRowTile) {
-        const int64_t mr = std::min(kRowTile, M - m0);
-        if (parts.types[p] == kQ8_0) {
-          dot_row<true>(parts.types[p], row, K, xq, m0, mr, y + n, parts.N);
-        } else {
-          dot_row<false>(parts.types[p], row, K, xq, m0, mr, y + n, parts.N);
-        }
+        dot_rows(parts.types[p], row, K, xq, m0, std::min(kRowTile, M - m0), y + n, parts.N);
       }
     }
   });
@@ -394,9 +591,12 @@ at::Tensor gguf_dequantize(const at::Tensor& weight, int64_t type, int64_t K) {
 TORCH_LIBRARY_FRAGMENT(srt_lite_cpu, m) {
   m.def("gguf_linear(Tensor x, Tensor[] weights, int[] types, Tensor? bias, int dot_rows, bool mm_bf16) -> Tensor");
   m.def("gguf_dequantize(Tensor weight, int type, int K) -> Tensor");
+  m.def("gguf_allow_vnni(bool allow) -> ()");
 }
 
 TORCH_LIBRARY_IMPL(srt_lite_cpu, CPU, m) {
   m.impl("gguf_linear", &gguf_linear);
   m.impl("gguf_dequantize", &gguf_dequantize);
 }
+
+TORCH_LIBRARY_IMPL(srt_lite_cpu, CompositeExplicitAutograd, m) { m.impl("gguf_allow_vnni", &gguf_allow_vnni); }

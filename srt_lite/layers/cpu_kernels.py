@@ -78,6 +78,7 @@ def _build() -> bool:
     # what SRT_LITE_CPU_CAPS leaves it.
     caps = cpu_caps.get()
     torch.ops.srt_lite_cpu.allow_prefix_kernels(caps.amx_bf16, caps.avx512_bf16)
+    torch.ops.srt_lite_cpu.gguf_allow_vnni(caps.avx512_vnni)
     logger.info("C++ CPU kernels (%s) loaded in %.1f s", level, time.perf_counter() - t0)
     return True
 

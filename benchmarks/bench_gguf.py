@@ -1,0 +1,321 @@
+"""The user's GGUF workload of shared/BENCHMARKS.md: srt_lite and llama.cpp's server on the
+same K-quant and Q8_0 files, both up at once.
+
+    .venv/bin/python benchmarks/bench_gguf.py make DIR          # writes the files (once)
+    .venv/bin/python benchmarks/bench_gguf.py run DIR/1b-Q4_K_M.gguf [--rounds 4]
+
+`make` writes, with gguf-py, an F16 GGUF of a Llama with Llama-3.2-1B's layer shape (hidden
+2048, 16 layers, 32 heads, 8 KV heads, intermediate 8192, tied embeddings) and random normal
+weights, with SmolLM2's tokenizer padded to 128256 tokens; and the default model's weights as
+F16. llama.cpp's own quantizer (`llama_model_quantize`, from llama-cpp-python in its own venv:
+$LLAMACPP_PYTHON, default .bench-venvs/llama/bin/python) turns each into Q4_K_M and Q8_0.
+
+`run` starts srt_lite (`--model-path FILE`, its defaults) and llama.cpp's server (`--n_ctx
+4096 --n_threads <cores>`) on the same file, warms both, then for each round sends one-stream
+requests alternately to each (so the host's drift hits both alike): a 64-token completion of a
+fixed prompt (no logit_bias: llama-cpp-python applies it in Python), and a 512-token prompt
+with one output token (prefill). Then 4 and 8 concurrent streams on srt_lite alone. Reports
+decode tok/s, TTFT, aggregate tok/s, each server's start time and memory (PSS summed over its
+processes), and the roofline fraction of single-stream decode against the best read bandwidth
+measured here (the file's tensor bytes per token).
+"""
+
+from __future__ import annotations
+
+import argparse
+import asyncio
+import json
+import os
+import statistics
+import subprocess
+import sys
+import time
+from pathlib import Path
+
+import httpx
+import numpy as np
+import psutil
+
+ROOT = Path(__file__).resolve().parent.parent
+SHAPE_1B = {"hidden": 2048, "layers": 16, "heads": 32, "kv_heads": 8, "intermediate": 8192, "vocab": 128256}
+QUANTS = ("Q4_K_M", "Q8_0")
+PROMPT = "Write a short story about a lighthouse keeper who finds a message in a bottle."
+
+
+def _llamacpp_python() -> str:
+    return os.environ.get("LLAMACPP_PYTHON", str(ROOT / ".bench-venvs" / "llama" / "bin" / "python"))
+
+
+# ---- make ---------------------------------------------------------------------------------
+
+def _tokenizer_fields(vocab: int) -> dict:
+    """The default model's tokenizer metadata, padded with unused tokens to `vocab`."""
+    from srt_lite.model_loader.default_model import default_gguf_path
+    from srt_lite.model_loader.gguf_reader import GGUFFile
+
+    fields = {k: v for k, v in GGUFFile(default_gguf_path()).metadata.items() if k.startswith("tokenizer.")}
+    tokens = list(fields["tokenizer.ggml.tokens"])
+    pad = vocab - len(tokens)
+    if pad > 0:
+        fields["tokenizer.ggml.tokens"] = tokens + [f"<|unused_{i}|>" for i in range(pad)]
+        fields["tokenizer.ggml.token_type"] = list(fields["tokenizer.ggml.token_type"]) + [5] * pad  # UNUSED
+    return fields
+
+
+def _write_header(w, fields: dict, shape: dict, rope_base: float) -> None:
+    from gguf import GGUFValueType
+
+    w.add_context_length(8192)
+    w.add_embedding_length(shape["hidden"])
+    w.add_block_count(shape["layers"])
+    w.add_feed_forward_length(shape["intermediate"])
+    w.add_head_count(shape["heads"])
+    w.add_head_count_kv(shape["kv_heads"])
+    w.add_rope_dimension_count(shape["hidden"] // shape["heads"])
+    w.add_layer_norm_rms_eps(1e-5)
+    w.add_rope_freq_base(rope_base)
+    w.add_vocab_size(shape["vocab"])
+    w.add_file_type(1)  # mostly F16
+    for key, value in fields.items():
+        if isinstance(value, list):
+            sub = GGUFValueType.STRING if isinstance(value[0], str) else GGUFValueType.INT32
+            w.add_key_value(key, value, GGUFValueType.ARRAY, sub_type=sub)
+        elif isinstance(value, str):
+            w.add_key_value(key, value, GGUFValueType.STRING)
+        elif isinstance(value, bool):
+            w.add_key_value(key, value, GGUFValueType.BOOL)
+        else:
+            w.add_key_value(key, value, GGUFValueType.UINT32)
+
+
+def write_f16(path: str, name: str, tensors, fields: dict, shape: dict, rope_base: float) -> None:
+    """An F16 GGUF (norms F32) of (GGUF name, array) pairs, written as llama.cpp reads it."""
+    from gguf import GGUFWriter
+
+    w = GGUFWriter(path, "llama")
+    w.add_name(name)
+    _write_header(w, fields, shape, rope_base)
+    for tname, arr in tensors:
+        w.add_tensor(tname, arr.astype(np.float32 if arr.ndim == 1 else np.float16))
+    w.write_header_to_file()
+    w.write_kv_data_to_file()
+    w.write_tensors_to_file(progress=True)
+    w.close()
+
+
+def random_1b_tensors(shape: dict):
+    rng = np.random.default_rng(0)
+    h, inter, hd = shape["hidden"], shape["intermediate"], shape["hidden"] // shape["heads"]
+
+    def normal(*dims: int) -> np.ndarray:
+        return rng.standard_normal(dims, dtype=np.float32) * 0.02
+
+    yield "token_embd.weight", normal(shape["vocab"], h)
+    for i in range(shape["layers"]):
+        yield f"blk.{i}.attn_norm.weight", np.ones(h, np.float32)
+        yield f"blk.{i}.attn_q.weight", normal(shape["heads"] * hd, h)
+        yield f"blk.{i}.attn_k.weight", normal(shape["kv_heads"] * hd, h)
+        yield f"blk.{i}.attn_v.weight", normal(shape["kv_heads"] * hd, h)
+        yield f"blk.{i}.attn_output.weight", normal(h, shape["heads"] * hd)
+        yield f"blk.{i}.ffn_norm.weight", np.ones(h, np.float32)
+        yield f"blk.{i}.ffn_gate.weight", normal(inter, h)
+        yield f"blk.{i}.ffn_up.weight", normal(inter, h)
+        yield f"blk.{i}.ffn_down.weight", normal(h, inter)
+    yield "output_norm.weight", np.ones(h, np.float32)
+
+
+def default_model_tensors():
+    """The default model's weights, dequantized from its file, under their GGUF names (q and
+    k rows as the file stores them)."""
+    from srt_lite.model_loader.default_model import default_gguf_path
+    from srt_lite.model_loader.gguf_reader import GGUFFile
+    from srt_lite.model_loader.gguf_types import dequantize
+
+    f = GGUFFile(default_gguf_path())
+    for name, t in f.tensors.items():
+        yield name, dequantize(f.raw(name), t.type, t.cols).view(t.shape).numpy()
+
+
+def make(out: str) -> None:
+    from srt_lite.model_loader.default_model import default_gguf_path
+    from srt_lite.model_loader.gguf_reader import GGUFFile
+
+    os.makedirs(out, exist_ok=True)
+    jobs = []
+    f16 = os.path.join(out, "1b-F16.gguf")
+    if not os.path.exists(f16):
+        write_f16(f16, "llama-1b-shape", random_1b_tensors(SHAPE_1B), _tokenizer_fields(SHAPE_1B["vocab"]), SHAPE_1B,
+                  500000.0)
+    jobs.append(("1b", f16))
+    small = os.path.join(out, "smollm2-135m-F16.gguf")
+    if not os.path.exists(small):
+        src = GGUFFile(default_gguf_path())
+        shape = {"hidden": 576, "layers": 30, "heads": 9, "kv_heads": 3, "intermediate": 1536, "vocab": 49152}
+        write_f16(small, "SmolLM2-135M-Instruct", default_model_tensors(), _tokenizer_fields(0), shape,
+                  float(src.get("llama.rope.freq_base")))
+    jobs.append(("smollm2-135m", small))
+    for stem, src in jobs:
+        for quant in QUANTS:
+            dst = os.path.join(out, f"{stem}-{quant}.gguf")
+            if os.path.exists(dst):
+                continue
+            code = (
+                "import llama_cpp, sys\n"
+                "p = llama_cpp.llama_model_quantize_default_params()\n"
+                f"p.ftype = llama_cpp.LLAMA_FTYPE_MOSTLY_{quant}\n"
+                "p.nthread = 0\n"
+                "sys.exit(llama_cpp.llama_model_quantize(sys.argv[1].encode(), sys.argv[2].encode(), p))\n"
+            )
+            subprocess.run([_llamacpp_python(), "-c", code, src, dst + ".tmp"], check=True)
+            os.replace(dst + ".tmp", dst)
+            print(f"wrote {dst} ({os.path.getsize(dst) / 2**20:.0f} MiB)")
+
+
+# ---- run ----------------------------------------------------------------------------------
+
+def read_bandwidth_gbs(seconds: float = 3.0) -> float:
+    """Best read bandwidth of several multi-threaded sums over a buffer far larger than the
+    caches (torch's reduction uses every core)."""
+    import torch
+
+    buf = torch.ones(512 * 2**20 // 4)  # 512 MiB, touched
+    best = 0.0
+    end = time.perf_counter() + seconds
+    while time.perf_counter() < end:
+        t0 = time.perf_counter()
+        buf.sum()
+        best = max(best, buf.numel() * 4 / (time.perf_counter() - t0) / 1e9)
+    return best
+
+
+def tensor_bytes(path: str) -> int:
+    from srt_lite.model_loader.gguf_reader import GGUFFile
+
+    return sum(t.nbytes for t in GGUFFile(path).tensors.values())
+
+
+class Server:
+    def __init__(self, name: str, cmd: list[str], port: int, ready_path: str):
+        self.name, self.port, self.ready_path = name, port, ready_path
+        self.base = f"http://127.0.0.1:{port}"
+        self.log = open(f"/tmp/bench_gguf_{name}.log", "w")
+        self.t0 = time.perf_counter()
+        self.proc = subprocess.Popen(cmd, stdout=self.log, stderr=subprocess.STDOUT, start_new_session=True)
+
+    def wait(self, timeout: float = 600) -> float:
+        deadline = self.t0 + timeout
+        while time.perf_counter() < deadline:
+            if self.proc.poll() is not None:
+                raise RuntimeError(f"{self.name} exited; see {self.log.name}")
+            try:
+                if httpx.get(self.base + self.ready_path, timeout=1).status_code == 200:
+                    return time.perf_counter() - self.t0
+            except httpx.HTTPError:
+                pass
+            time.sleep(0.2)
+        raise TimeoutError(self.name)
+
+    def pss_gib(self) -> float:
+        total = 0
+        procs = [psutil.Process(self.proc.pid)]
+        procs += procs[0].children(recursive=True)
+        for p in procs:
+            try:
+                total += p.memory_full_info().pss
+            except psutil.Error:
+                pass
+        return total / 2**30
+
+    def stop(self) -> None:
+        import signal
+
+        try:
+            os.killpg(self.proc.pid, signal.SIGTERM)
+            self.proc.wait(30)
+        except (ProcessLookupError, subprocess.TimeoutExpired):
+            os.killpg(self.proc.pid, signal.SIGKILL)
+
+
+async def stream_one(client: httpx.AsyncClient, base: str, model: str, prompt: str, max_tokens: int) -> dict:
+    """One streamed completion: TTFT, decode tok/s after the first token, tokens."""
+    body = {"model": model, "prompt": prompt, "max_tokens": max_tokens, "temperature": 0, "stream": True}
+    t0 = time.perf_counter()
+    first = last = None
+    chunks = 0
+    async with client.stream("POST", base + "/v1/completions", json=body, timeout=600) as r:
+        r.raise_for_status()
+        async for line in r.aiter_lines():
+            if not line.startswith("data: ") or line == "data: [DONE]":
+                continue
+            data = json.loads(line[6:])
+            if data.get("choices") and data["choices"][0].get("text"):
+                now = time.perf_counter()
+                first = first or now
+                last = now
+                chunks += 1
+    ttft = (first or time.perf_counter()) - t0
+    rate = (chunks - 1) / (last - first) if chunks > 1 and last > first else 0.0
+    return {"ttft": ttft, "rate": rate, "chunks": chunks}
+
+
+async def run_async(args) -> dict:
+    model_file = os.path.abspath(args.file)
+    threads = os.cpu_count() or 1
+    srt = Server("srt_lite", [sys.executable, "-m", "srt_lite.launch_server", "--model-path", model_file, "--port",
+                              str(args.port)], args.port, "/health")
+    srt_start = srt.wait()
+    llama = Server("llamacpp", [_llamacpp_python(), "-m", "llama_cpp.server", "--model", model_file, "--n_ctx", "4096",
+                                "--n_threads", str(threads), "--port", str(args.port + 1)], args.port + 1, "/v1/models")
+    llama_start = llama.wait()
+    servers = {"srt_lite": srt, "llamacpp": llama}
+    out: dict = {"file": model_file, "threads": threads, "start_s": {"srt_lite": srt_start, "llamacpp": llama_start}}
+    long_prompt = " ".join(["The quick brown fox jumps over the lazy dog."] * 52)  # ~512 tokens
+    try:
+        async with httpx.AsyncClient() as client:
+            names = {n: (await client.get(s.base + "/v1/models")).json()["data"][0]["id"] for n, s in servers.items()}
+            for n, s in servers.items():  # warm: page cache, kernels, first shapes
+                await stream_one(client, s.base, names[n], PROMPT, 16)
+                await stream_one(client, s.base, names[n], f"0 {long_prompt}", 1)
+            single = {n: [] for n in servers}
+            prefill = {n: [] for n in servers}
+            for rnd in range(args.rounds):
+                for n, s in servers.items():
+                    single[n].append(await stream_one(client, s.base, names[n], PROMPT, 64))
+                    prefill[n].append(await stream_one(client, s.base, names[n], f"{rnd + 1} {long_prompt}", 1))
+            out["single_tok_s"] = {n: statistics.median(r["rate"] for r in v) for n, v in single.items()}
+            out["prefill_512_ttft_s"] = {n: statistics.median(r["ttft"] for r in v) for n, v in prefill.items()}
+            out["single_tokens"] = {n: [r["chunks"] for r in v] for n, v in single.items()}
+            for streams in (4, 8):
+                t0 = time.perf_counter()
+                res = await asyncio.gather(*(stream_one(client, srt.base, names["srt_lite"], f"{PROMPT} ({i})", 64)
+                                             for i in range(streams)))
+                out[f"srt_lite_{streams}_streams_tok_s"] = sum(r["chunks"] for r in res) / (time.perf_counter() - t0)
+            out["pss_gib"] = {n: s.pss_gib() for n, s in servers.items()}
+    finally:
+        for s in servers.values():
+            s.stop()
+    bw = read_bandwidth_gbs()
+    out["read_bandwidth_gbs"] = bw
+    out["roofline_tok_s"] = bw * 1e9 / tensor_bytes(model_file)
+    out["srt_lite_roofline_fraction"] = out["single_tok_s"]["srt_lite"] / out["roofline_tok_s"]
+    return out
+
+
+def main() -> None:
+    p = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    sub = p.add_subparsers(dest="cmd", required=True)
+    m = sub.add_parser("make")
+    m.add_argument("out")
+    r = sub.add_parser("run")
+    r.add_argument("file")
+    r.add_argument("--rounds", type=int, default=4)
+    r.add_argument("--port", type=int, default=30300)
+    args = p.parse_args()
+    if args.cmd == "make":
+        make(args.out)
+    else:
+        print(json.dumps(asyncio.run(run_async(args)), indent=1))
+
+
+if __name__ == "__main__":
+    main()
