@@ -12,12 +12,13 @@ $LLAMACPP_PYTHON, default .bench-venvs/llama/bin/python) turns each into Q4_K_M 
 
 `run` starts srt_lite (`--model-path FILE`, its defaults) and llama.cpp's server (`--n_ctx
 4096 --n_threads <cores>`) on the same file, warms both, then for each round sends one-stream
-requests alternately to each (so the host's drift hits both alike): a 64-token completion of a
-fixed prompt (no logit_bias: llama-cpp-python applies it in Python), and a 512-token prompt
-with one output token (prefill). Then 4 and 8 concurrent streams on srt_lite alone. Reports
-decode tok/s, TTFT, aggregate tok/s, each server's start time and memory (PSS summed over its
-processes), and the roofline fraction of single-stream decode against the best read bandwidth
-measured here (the file's tensor bytes per token).
+requests alternately to each (so the host's drift hits both alike): greedy completions of a
+fixed prompt, 64 tokens less 1 token (decode tok/s with the prefill cancelled; no logit_bias:
+llama-cpp-python applies it in Python, and the token counts are reported), and a ~512-token
+prompt with one output token (prefill). Then 4 and 8 concurrent 64-token streams on srt_lite
+alone. Reports each server's start time and memory (PSS summed over its processes), and the
+roofline fraction of single-stream decode against the best read bandwidth measured here
+(the file's tensor bytes per token).
 """
 
 from __future__ import annotations
@@ -227,35 +228,31 @@ class Server:
         return total / 2**30
 
     def stop(self) -> None:
+        """SIGTERM to the server (which stops its own children), SIGKILL to its group after 30 s."""
         import signal
 
+        self.proc.send_signal(signal.SIGTERM)
         try:
-            os.killpg(self.proc.pid, signal.SIGTERM)
             self.proc.wait(30)
-        except (ProcessLookupError, subprocess.TimeoutExpired):
+        except subprocess.TimeoutExpired:
             os.killpg(self.proc.pid, signal.SIGKILL)
 
 
-async def stream_one(client: httpx.AsyncClient, base: str, model: str, prompt: str, max_tokens: int) -> dict:
-    """One streamed completion: TTFT, decode tok/s after the first token, tokens."""
-    body = {"model": model, "prompt": prompt, "max_tokens": max_tokens, "temperature": 0, "stream": True}
+async def complete(client: httpx.AsyncClient, base: str, model: str, prompt: str, max_tokens: int) -> tuple[float, int]:
+    """One greedy completion: (seconds, completion tokens by the server's own count)."""
+    body = {"model": model, "prompt": prompt, "max_tokens": max_tokens, "temperature": 0}
     t0 = time.perf_counter()
-    first = last = None
-    chunks = 0
-    async with client.stream("POST", base + "/v1/completions", json=body, timeout=600) as r:
-        r.raise_for_status()
-        async for line in r.aiter_lines():
-            if not line.startswith("data: ") or line == "data: [DONE]":
-                continue
-            data = json.loads(line[6:])
-            if data.get("choices") and data["choices"][0].get("text"):
-                now = time.perf_counter()
-                first = first or now
-                last = now
-                chunks += 1
-    ttft = (first or time.perf_counter()) - t0
-    rate = (chunks - 1) / (last - first) if chunks > 1 and last > first else 0.0
-    return {"ttft": ttft, "rate": rate, "chunks": chunks}
+    r = await client.post(base + "/v1/completions", json=body, timeout=600)
+    r.raise_for_status()
+    return time.perf_counter() - t0, int(r.json()["usage"]["completion_tokens"])
+
+
+async def single_stream(client: httpx.AsyncClient, base: str, model: str, max_tokens: int) -> dict:
+    """Decode tok/s of one stream: a max_tokens completion less a one-token one of the same
+    (cached) prompt, so the prompt's prefill cancels out."""
+    t1, _ = await complete(client, base, model, PROMPT, 1)
+    tn, n = await complete(client, base, model, PROMPT, max_tokens)
+    return {"rate": (n - 1) / max(tn - t1, 1e-9), "tokens": n, "ttft": t1}
 
 
 async def run_async(args) -> dict:
@@ -274,22 +271,22 @@ async def run_async(args) -> dict:
         async with httpx.AsyncClient() as client:
             names = {n: (await client.get(s.base + "/v1/models")).json()["data"][0]["id"] for n, s in servers.items()}
             for n, s in servers.items():  # warm: page cache, kernels, first shapes
-                await stream_one(client, s.base, names[n], PROMPT, 16)
-                await stream_one(client, s.base, names[n], f"0 {long_prompt}", 1)
+                await complete(client, s.base, names[n], PROMPT, 16)
+                await complete(client, s.base, names[n], f"0 {long_prompt}", 1)
             single = {n: [] for n in servers}
             prefill = {n: [] for n in servers}
             for rnd in range(args.rounds):
                 for n, s in servers.items():
-                    single[n].append(await stream_one(client, s.base, names[n], PROMPT, 64))
-                    prefill[n].append(await stream_one(client, s.base, names[n], f"{rnd + 1} {long_prompt}", 1))
+                    single[n].append(await single_stream(client, s.base, names[n], 64))
+                    prefill[n].append((await complete(client, s.base, names[n], f"{rnd + 1} {long_prompt}", 1))[0])
             out["single_tok_s"] = {n: statistics.median(r["rate"] for r in v) for n, v in single.items()}
-            out["prefill_512_ttft_s"] = {n: statistics.median(r["ttft"] for r in v) for n, v in prefill.items()}
-            out["single_tokens"] = {n: [r["chunks"] for r in v] for n, v in single.items()}
+            out["single_tokens"] = {n: [r["tokens"] for r in v] for n, v in single.items()}
+            out["prefill_512_s"] = {n: statistics.median(v) for n, v in prefill.items()}
             for streams in (4, 8):
                 t0 = time.perf_counter()
-                res = await asyncio.gather(*(stream_one(client, srt.base, names["srt_lite"], f"{PROMPT} ({i})", 64)
+                res = await asyncio.gather(*(complete(client, srt.base, names["srt_lite"], f"{PROMPT} ({i})", 64)
                                              for i in range(streams)))
-                out[f"srt_lite_{streams}_streams_tok_s"] = sum(r["chunks"] for r in res) / (time.perf_counter() - t0)
+                out[f"srt_lite_{streams}_streams_tok_s"] = sum(n for _, n in res) / (time.perf_counter() - t0)
             out["pss_gib"] = {n: s.pss_gib() for n, s in servers.items()}
     finally:
         for s in servers.values():

@@ -96,6 +96,10 @@ def launch_server(server_args: ServerArgs) -> int:
     return exit_code
 
 
+def _formats(formats: dict[str, int]) -> str:
+    return ", ".join(f"{n} {fmt}" for fmt, n in sorted(formats.items()))
+
+
 def banner(server_args: ServerArgs, served_name: str, model_dir: str, info) -> str:
     """What a user needs on start: what runs, how big, and where to call it."""
     url = f"http://{server_args.host}:{server_args.port}"
@@ -105,6 +109,8 @@ def banner(server_args: ServerArgs, served_name: str, model_dir: str, info) -> s
         f"  dtype        {info.dtype} on {info.device}, tensor parallel {server_args.tp_size}"
         + (f" over {server_args.nnodes} nodes" if server_args.nnodes > 1 else ""),
         f"  compute      linears: {info.linear_path}; CPU {info.cpu}",
+        *([f"  weights      GGUF blocks: {_formats(info.gguf_formats)} ({info.weight_bytes / 2**20:.0f} MiB held)"]
+          if info.gguf_formats else []),
         f"  KV cache     {info.max_total_num_tokens} tokens",
         f"  max context  {info.max_context_len} tokens",
         f"  URL          {url}  (OpenAI API: {url}/v1)",

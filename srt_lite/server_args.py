@@ -50,10 +50,11 @@ class ServerArgs:
     )
     quantization: str | None = _arg(
         None,
-        "Weight quantization. Default: the checkpoint's own, i.e. a GGUF file's Q4_0/Q4_1 "
-        "linears keep their 4-bit weights in a bfloat16 model on a CPU (used for decode steps "
-        "of one or two tokens) and everything else loads dequantized. gguf: the same, and refuse a "
-        "checkpoint that is not a GGUF file. none: dequantize everything (the old behaviour).",
+        "Weight quantization. Default: the checkpoint's own. A .gguf file given as --model-path "
+        "keeps its quantized tensors (Q4_0, Q4_1, Q5_0, Q5_1, Q8_0, Q4_K, Q5_K, Q6_K) in their "
+        "blocks on a CPU; the default model, converted once to safetensors, keeps 4-bit copies of "
+        "its Q4_0/Q4_1 linears for decode steps in a bfloat16 model. gguf: the same, and refuse a "
+        "checkpoint that is not a GGUF file. none: dequantize everything.",
         "Model",
         choices=["gguf", "none"],
     )

@@ -25,6 +25,7 @@
 #include <cmath>
 #include <cstdint>
 #include <cstring>
+#include <type_traits>
 #include <vector>
 
 #if defined(__AVX2__)
@@ -282,13 +283,34 @@ void read_unit(int64_t type, const uint8_t* row, int64_t k0, int64_t n, Unit& u)
 inline int64_t run_length(int64_t type, int64_t K, int64_t k0) { return std::min<int64_t>(kMaxUnit, K - k0); }
 
 // One weight row [K] to float.
-void dequantize_row(int64_t type, const uint8_t* row, int64_t K, float* out) {
+// One weight row [K] to float32 or bf16 (rounded to nearest even, as at::BFloat16 rounds).
+template <typename T>
+void dequantize_row(int64_t type, const uint8_t* row, int64_t K, T* out) {
   Unit u;
+  const bool is_signed = type == kQ8_0;
   for (int64_t k0 = 0; k0 < K; k0 += kMaxUnit) {
     read_unit<false>(type, row, k0, run_length(type, K, k0), u);
-    for (int64_t e = 0; e < u.n; ++e) {
-      const float code = type == kQ8_0 ? static_cast<float>(static_cast<int8_t>(u.codes[e])) : static_cast<float>(u.codes[e]);
-      out[k0 + e] = u.a16[e / 16] * code + u.b16[e / 16];
+    int64_t e = 0;
+#if defined(__AVX2__)
+    for (; e < u.n; e += 8) {
+      const __m128i c8 = _mm_loadl_epi64(reinterpret_cast<const __m128i*>(u.codes + e));
+      const __m256 c = _mm256_cvtepi32_ps(is_signed ? _mm256_cvtepi8_epi32(c8) : _mm256_cvtepu8_epi32(c8));
+      // a * code + b rounded once each, as the scalar loop below (no fused multiply-add).
+      const __m256 w = _mm256_add_ps(_mm256_mul_ps(_mm256_set1_ps(u.a16[e / 16]), c), _mm256_set1_ps(u.b16[e / 16]));
+      if constexpr (std::is_same_v<T, float>) {
+        _mm256_storeu_ps(out + k0 + e, w);
+      } else {
+        const __m256i bits = _mm256_castps_si256(w);
+        const __m256i odd = _mm256_and_si256(_mm256_srli_epi32(bits, 16), _mm256_set1_epi32(1));
+        const __m256i r = _mm256_srli_epi32(_mm256_add_epi32(bits, _mm256_add_epi32(odd, _mm256_set1_epi32(0x7FFF))), 16);
+        const __m128i packed = _mm_packus_epi32(_mm256_castsi256_si128(r), _mm256_extracti128_si256(r, 1));
+        _mm_storeu_si128(reinterpret_cast<__m128i*>(out + k0 + e), packed);
+      }
+    }
+#endif
+    for (; e < u.n; ++e) {
+      const float code = is_signed ? static_cast<float>(static_cast<int8_t>(u.codes[e])) : static_cast<float>(u.codes[e]);
+      out[k0 + e] = static_cast<T>(u.a16[e / 16] * code + u.b16[e / 16]);
     }
   }
 }
@@ -528,7 +550,6 @@ void dot_linear(const at::Tensor& x, const Parts& parts, float* y) {
 // Rows [n0, n0 + rows) of the parts, dequantized into out [rows, K] (of `dtype`).
 void dequantize_rows(const Parts& parts, int64_t K, int64_t n0, int64_t rows, const at::Tensor& out) {
   at::parallel_for(0, rows, 4, [&](int64_t begin, int64_t end) {
-    std::vector<float> buf(K);
     for (int64_t r = begin; r < end; ++r) {
       const int64_t n = n0 + r;
       const size_t p = std::upper_bound(parts.first.begin(), parts.first.end(), n) - parts.first.begin() - 1;
@@ -536,9 +557,7 @@ void dequantize_rows(const Parts& parts, int64_t K, int64_t n0, int64_t rows, co
       if (out.scalar_type() == at::kFloat) {
         dequantize_row(parts.types[p], row, K, out.data_ptr<float>() + r * K);
       } else {
-        dequantize_row(parts.types[p], row, K, buf.data());
-        at::BFloat16* o = out.data_ptr<at::BFloat16>() + r * K;
-        for (int64_t k = 0; k < K; ++k) o[k] = static_cast<at::BFloat16>(buf[k]);
+        dequantize_row(parts.types[p], row, K, out.data_ptr<at::BFloat16>() + r * K);
       }
     }
   });
