@@ -323,7 +323,42 @@ struct QuantizedX {
   std::vector<int8_t> q;
   std::vector<float> dx4;
   std::vector<float> sums;
+  // For the K-quants' super-block products (quantize_x256): x per 256 values, as llama.cpp's
+  // q8_K: q256 int8 [M, Kp], d256 [M, Kp / 256], sum16 int16 [M, Kp / 16] (sum of q256).
+  std::vector<int8_t> q256;
+  std::vector<float> d256;
+  std::vector<int16_t> sum16;
 };
+
+// Fills xq's per-256 fields from x [M, K] (K a multiple of 256).
+template <typename T>
+void quantize_x256(const T* x, int64_t M, int64_t K, QuantizedX& xq) {
+  const int64_t Kp = xq.Kp, blocks = K / 256;
+  xq.q256.assign(M * Kp, 0);
+  xq.d256.assign(M * Kp / 256, 0.f);
+  xq.sum16.assign(M * Kp / 16, 0);
+  at::parallel_for(0, M * blocks, 16, [&](int64_t begin, int64_t end) {
+    for (int64_t i = begin; i < end; ++i) {
+      const int64_t m = i / blocks, b = i % blocks;
+      const T* src = x + m * K + 256 * b;
+      float amax = 0.f;
+      for (int l = 0; l < 256; ++l) amax = std::max(amax, std::fabs(static_cast<float>(src[l])));
+      const float d = amax / 127.f, id = d > 0.f ? 1.f / d : 0.f;
+      int8_t* q = xq.q256.data() + m * Kp + 256 * b;
+      int16_t* sums = xq.sum16.data() + (m * Kp + 256 * b) / 16;
+      for (int j = 0; j < 16; ++j) {
+        int sum = 0;
+        for (int l = 16 * j; l < 16 * j + 16; ++l) {
+          const int qi = static_cast<int>(std::nearbyint(static_cast<float>(src[l]) * id));
+          q[l] = static_cast<int8_t>(qi);
+          sum += qi;
+        }
+        sums[j] = static_cast<int16_t>(sum);
+      }
+      xq.d256[(m * Kp) / 256 + b] = d;
+    }
+  });
+}
 
 template <typename T>
 QuantizedX quantize_x(const T* x, int64_t M, int64_t K) {
@@ -358,6 +393,8 @@ QuantizedX quantize_x(const T* x, int64_t M, int64_t K) {
 }
 
 bool g_allow_vnni = false;  // set from srt_lite.cpu_caps (SRT_LITE_CPU_CAPS may deny it)
+
+inline bool is_k_type(int64_t type) { return type == kQ4_K || type == kQ5_K || type == kQ6_K; }
 
 void gguf_allow_vnni(bool allow) {
 #if defined(__GNUC__) && (defined(__x86_64__) || defined(__i386__))
@@ -401,9 +438,123 @@ void run_vnni(const Unit& u, const QuantizedX& xq, int64_t m0, int64_t k0, __m51
   }
 }
 
+// A K-quant super-block in registers: codes [4][64] (unsigned), each 64's sub-block scales
+// as int16 lanes of its byte-pair sums (sc), the offsets' coefficients per 16 weights (off),
+// and the float factors: w = d * sc * code + off_scale * off (per 16 weights).
+struct KBlock {
+  __m512i w[4];
+  __m512i sc[4];
+  __m256i off;
+  float d, off_scale;
+};
+
+__attribute__((target("avx512f,avx512bw,avx512vl")))
+inline void read_k_block(int64_t type, const uint8_t* blk, KBlock& kb) {
+  const __m512i m4 = _mm512_set1_epi8(0xF);
+  // int16 lane l of byte pairs 2l, 2l + 1: the scale of weights 2l, 2l + 1 of the 64.
+  const __m512i lane = _mm512_set_epi16(31, 30, 29, 28, 27, 26, 25, 24, 23, 22, 21, 20, 19, 18, 17, 16, 15, 14, 13, 12,
+                                        11, 10, 9, 8, 7, 6, 5, 4, 3, 2, 1, 0);
+  if (type == kQ6_K) {
+    const uint8_t* ql = blk;
+    const uint8_t* qh = blk + 128;
+    const __m512i m30 = _mm512_set1_epi8(0x30);
+    for (int h = 0; h < 2; ++h) {
+      const __m512i l = _mm512_loadu_si512(ql + 64 * h);
+      const __m512i hb = _mm512_broadcast_i64x4(_mm256_loadu_si256(reinterpret_cast<const __m256i*>(qh + 32 * h)));
+      kb.w[2 * h] = _mm512_or_si512(_mm512_and_si512(l, m4),
+                                    _mm512_and_si512(_mm512_sllv_epi64(hb, _mm512_set_epi64(2, 2, 2, 2, 4, 4, 4, 4)), m30));
+      kb.w[2 * h + 1] = _mm512_or_si512(_mm512_and_si512(_mm512_srli_epi16(l, 4), m4),
+                                        _mm512_and_si512(_mm512_srlv_epi64(hb, _mm512_set_epi64(2, 2, 2, 2, 0, 0, 0, 0)), m30));
+    }
+    const __m256i sc16 = _mm256_cvtepi8_epi16(_mm_loadu_si128(reinterpret_cast<const __m128i*>(blk + 192)));
+    for (int p = 0; p < 4; ++p) {  // 16 weights a scale: lanes 8i .. 8i + 7 take scale 4p + i
+      const __m512i idx = _mm512_add_epi16(_mm512_srli_epi16(lane, 3), _mm512_set1_epi16(static_cast<short>(4 * p)));
+      kb.sc[p] = _mm512_permutexvar_epi16(idx, _mm512_castsi256_si512(sc16));
+    }
+    kb.off = sc16;
+    kb.d = half_at(blk + 208);
+    kb.off_scale = -32.f * kb.d;
+    return;
+  }
+  const bool five = type == kQ5_K;
+  const uint8_t* qs = blk + (five ? 48 : 16);
+  for (int h = 0; h < 2; ++h) {  // 128 weights: chunks 2h and 2h + 1 of 32 bytes
+    const __m512i v = _mm512_loadu_si512(qs + 64 * h);
+    const __m512i lo = _mm512_and_si512(v, m4), hi = _mm512_and_si512(_mm512_srli_epi16(v, 4), m4);
+    kb.w[2 * h] = _mm512_shuffle_i64x2(lo, hi, 0x44);      // chunk 2h: its low nibbles, then its high
+    kb.w[2 * h + 1] = _mm512_shuffle_i64x2(lo, hi, 0xEE);  // chunk 2h + 1
+  }
+  if (five) {
+    const __m512i qh = _mm512_broadcast_i64x4(_mm256_loadu_si256(reinterpret_cast<const __m256i*>(blk + 16)));
+    for (int c = 0; c < 4; ++c) {  // bit 2c: the fifth bit of the low half, 2c + 1 of the high
+      const __m512i bit = _mm512_inserti64x4(_mm512_set1_epi8(static_cast<char>(1 << (2 * c))),
+                                             _mm256_set1_epi8(static_cast<char>(2 << (2 * c))), 1);
+      kb.w[c] = _mm512_or_si512(kb.w[c], _mm512_maskz_mov_epi8(_mm512_test_epi8_mask(qh, bit), _mm512_set1_epi8(0x10)));
+    }
+  }
+  uint32_t u[4];
+  std::memcpy(u, blk + 4, 12);
+  const uint32_t m6 = 0x3f3f3f3f, k4 = 0x0f0f0f0f, m2 = 0x03030303;
+  u[3] = ((u[2] >> 4) & k4) | (((u[1] >> 6) & m2) << 4);
+  const uint32_t mins_lo = u[1] & m6;
+  u[1] = (u[2] & k4) | (((u[0] >> 6) & m2) << 4);
+  u[2] = mins_lo;
+  u[0] &= m6;
+  const __m256i sm = _mm256_cvtepu8_epi16(_mm_loadu_si128(reinterpret_cast<const __m128i*>(u)));  // sc[0..7], m[0..7]
+  for (int p = 0; p < 4; ++p) {  // 32 weights a scale: lanes 16i .. 16i + 15 take scale 2p + i
+    const __m512i idx = _mm512_add_epi16(_mm512_srli_epi16(lane, 4), _mm512_set1_epi16(static_cast<short>(2 * p)));
+    kb.sc[p] = _mm512_permutexvar_epi16(idx, _mm512_castsi256_si512(sm));
+  }
+  // off per 16 weights: the minimum of its 32 (lanes 8 + j / 2).
+  const __m256i idx16 = _mm256_set_epi16(15, 15, 14, 14, 13, 13, 12, 12, 11, 11, 10, 10, 9, 9, 8, 8);
+  kb.off = _mm256_permutexvar_epi16(idx16, sm);
+  kb.d = half_at(blk);
+  kb.off_scale = -half_at(blk + 2);
+}
+
+// Rows [m0, m0 + MR) of x against one row of a K-quant, a super-block at a time: byte-pair
+// sums (vpmaddubsw) weighted by the sub-block scales into int32 (vpdpwssd), then one float
+// multiply-add per super-block with d * dx, as llama.cpp's q8_K products do.
+template <int MR>
+__attribute__((target("avx512f,avx512bw,avx512vl,avx512vnni")))
+void row_vnni_k(int64_t type, const uint8_t* row, int64_t K, const QuantizedX& xq, int64_t m0, float* y, int64_t ldy) {
+  const int64_t bytes = type == kQ4_K ? 144 : type == kQ5_K ? 176 : 210;
+  __m512 acc[MR];
+  __m256 oacc[MR];
+  for (int m = 0; m < MR; ++m) {
+    acc[m] = _mm512_setzero_ps();
+    oacc[m] = _mm256_setzero_ps();
+  }
+  KBlock kb;
+  for (int64_t b = 0; b < K / 256; ++b) {
+    read_k_block(type, row + b * bytes, kb);
+    for (int m = 0; m < MR; ++m) {
+      const int64_t base = (m0 + m) * xq.Kp + 256 * b;
+      const int8_t* q = xq.q256.data() + base;
+      __m512i isum = _mm512_setzero_si512();
+      for (int p = 0; p < 4; ++p) {
+        const __m512i pairs = _mm512_maddubs_epi16(kb.w[p], _mm512_loadu_si512(q + 64 * p));
+        isum = _mm512_dpwssd_epi32(isum, pairs, kb.sc[p]);
+      }
+      const float dx = xq.d256[base / 256];
+      acc[m] = _mm512_fmadd_ps(_mm512_cvtepi32_ps(isum), _mm512_set1_ps(kb.d * dx), acc[m]);
+      const __m256i sums = _mm256_loadu_si256(reinterpret_cast<const __m256i*>(xq.sum16.data() + base / 16));
+      oacc[m] = _mm256_fmadd_ps(_mm256_cvtepi32_ps(_mm256_madd_epi16(sums, kb.off)), _mm256_set1_ps(kb.off_scale * dx),
+                                oacc[m]);
+    }
+  }
+  for (int m = 0; m < MR; ++m) {
+    const __m256 o = oacc[m];
+    const __m128 o4 = _mm_add_ps(_mm256_castps256_ps128(o), _mm256_extractf128_ps(o, 1));
+    const __m128 o2 = _mm_add_ps(o4, _mm_movehl_ps(o4, o4));
+    y[(m0 + m) * ldy] = _mm512_reduce_add_ps(acc[m]) + _mm_cvtss_f32(_mm_add_ss(o2, _mm_movehdup_ps(o2)));
+  }
+}
+
 template <int MR>
 __attribute__((target("avx512f,avx512bw,avx512vnni")))
 void row_vnni(int64_t type, const uint8_t* row, int64_t K, const QuantizedX& xq, int64_t m0, float* y, int64_t ldy) {
+  if (is_k_type(type)) return row_vnni_k<MR>(type, row, K, xq, m0, y, ldy);
   __m512 acc[MR], bacc[MR];
   for (int m = 0; m < MR; ++m) acc[m] = bacc[m] = _mm512_setzero_ps();
   Unit u;
@@ -536,6 +687,13 @@ void dot_linear(const at::Tensor& x, const Parts& parts, float* y) {
   const int64_t M = x.size(0), K = x.size(1);
   QuantizedX xq = x.scalar_type() == at::kBFloat16 ? quantize_x(x.data_ptr<at::BFloat16>(), M, K)
                                                     : quantize_x(x.data_ptr<float>(), M, K);
+  if (g_allow_vnni && std::any_of(parts.types.begin(), parts.types.end(), is_k_type)) {
+    if (x.scalar_type() == at::kBFloat16) {
+      quantize_x256(x.data_ptr<at::BFloat16>(), M, K, xq);
+    } else {
+      quantize_x256(x.data_ptr<float>(), M, K, xq);
+    }
+  }
   at::parallel_for(0, parts.N, 16, [&](int64_t begin, int64_t end) {
     for (int64_t n = begin; n < end; ++n) {
       const size_t p = std::upper_bound(parts.first.begin(), parts.first.end(), n) - parts.first.begin() - 1;

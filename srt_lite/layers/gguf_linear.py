@@ -24,7 +24,7 @@ from srt_lite.model_loader.gguf_types import GGUFType, dequantize
 
 # Rows up to which the integer dot products run; above, dequantized slabs and a matmul,
 # whose cost per row is lower once the weight's unpacking is shared by many rows.
-DOT_ROWS = 12
+DOT_ROWS = 16
 # Output rows a Python-side slab dequantizes at once (no C++ ops): bounds the scratch copy.
 _SLAB_ROWS = 1024
 
