@@ -165,3 +165,14 @@ def init_child_process(title: str, ipc_dir: str) -> None:
         pass
     signal.signal(signal.SIGINT, signal.SIG_IGN)
     set_process_title(title)
+
+
+def write_json_atomic(path: str, obj) -> None:
+    """Writes `obj` as JSON to `path` through a temporary file and a rename, so a reader
+    sees the old file or the new one, never half of one."""
+    import json
+
+    tmp = f"{path}.{os.getpid()}.tmp"
+    with open(tmp, "w") as f:
+        json.dump(obj, f)
+    os.replace(tmp, path)

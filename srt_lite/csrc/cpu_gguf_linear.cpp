@@ -82,15 +82,16 @@ struct Unit {
   int64_t n;
 };
 
-// The 6-bit scale and minimum of sub-block j of a Q4_K / Q5_K super-block.
-inline void k4_scale_min(const uint8_t* s, int j, int& sc, int& mn) {
-  if (j < 4) {
-    sc = s[j] & 63;
-    mn = s[j + 4] & 63;
-  } else {
-    sc = (s[j + 4] & 0xF) | ((s[j - 4] >> 6) << 4);
-    mn = (s[j + 4] >> 4) | ((s[j] >> 6) << 4);
-  }
+// The eight 6-bit scales (bytes 0-7 of out) and minimums (8-15) of a Q4_K / Q5_K
+// super-block, packed in 12 bytes (llama.cpp's unpacking).
+inline void k4_scales_mins(const uint8_t* packed, uint32_t out[4]) {
+  std::memcpy(out, packed, 12);
+  const uint32_t m6 = 0x3f3f3f3f, m4 = 0x0f0f0f0f, m2 = 0x03030303;
+  out[3] = ((out[2] >> 4) & m4) | (((out[1] >> 6) & m2) << 4);
+  const uint32_t mins_lo = out[1] & m6;
+  out[1] = (out[2] & m4) | (((out[0] >> 6) & m2) << 4);
+  out[2] = mins_lo;
+  out[0] &= m6;
 }
 
 inline void set_scale32(Unit& u, int64_t g, float a, float b) {  // weights [32 g, 32 g + 32)
@@ -101,16 +102,9 @@ inline void set_scale32(Unit& u, int64_t g, float a, float b) {  // weights [32 
 // The eight sub-blocks' scales d * sc and offsets -dmin * m of a Q4_K / Q5_K super-block
 // (6-bit fields packed in 12 bytes), each for its 32 weights.
 inline void set_k4_scales(Unit& u, const uint8_t* packed, float d, float dmin) {
-#if defined(__AVX2__)
-  // llama.cpp's unpacking: bytes 0-7 become the scales, 8-15 the minimums.
   uint32_t w[4];
-  std::memcpy(w, packed, 12);
-  const uint32_t m6 = 0x3f3f3f3f, m4 = 0x0f0f0f0f, m2 = 0x03030303;
-  w[3] = ((w[2] >> 4) & m4) | (((w[1] >> 6) & m2) << 4);
-  const uint32_t mins_lo = w[1] & m6;
-  w[1] = (w[2] & m4) | (((w[0] >> 6) & m2) << 4);
-  w[2] = mins_lo;
-  w[0] &= m6;
+  k4_scales_mins(packed, w);
+#if defined(__AVX2__)
   const __m128i bytes = _mm_loadu_si128(reinterpret_cast<const __m128i*>(w));
   const __m256 sc = _mm256_mul_ps(_mm256_set1_ps(d), _mm256_cvtepi32_ps(_mm256_cvtepu8_epi32(bytes)));
   const __m256 mn = _mm256_mul_ps(_mm256_set1_ps(-dmin), _mm256_cvtepi32_ps(_mm256_cvtepu8_epi32(_mm_srli_si128(bytes, 8))));
@@ -120,11 +114,8 @@ inline void set_k4_scales(Unit& u, const uint8_t* packed, float d, float dmin) {
   _mm256_store_ps(u.b16, _mm256_permutevar8x32_ps(mn, lo));
   _mm256_store_ps(u.b16 + 8, _mm256_permutevar8x32_ps(mn, hi));
 #else
-  for (int j = 0; j < 8; ++j) {
-    int sc, mn;
-    k4_scale_min(packed, j, sc, mn);
-    set_scale32(u, j, d * static_cast<float>(sc), -dmin * static_cast<float>(mn));
-  }
+  const uint8_t* bytes = reinterpret_cast<const uint8_t*>(w);
+  for (int j = 0; j < 8; ++j) set_scale32(u, j, d * static_cast<float>(bytes[j]), -dmin * static_cast<float>(bytes[8 + j]));
 #endif
 }
 
@@ -493,13 +484,7 @@ inline void read_k_block(int64_t type, const uint8_t* blk, KBlock& kb) {
     }
   }
   uint32_t u[4];
-  std::memcpy(u, blk + 4, 12);
-  const uint32_t m6 = 0x3f3f3f3f, k4 = 0x0f0f0f0f, m2 = 0x03030303;
-  u[3] = ((u[2] >> 4) & k4) | (((u[1] >> 6) & m2) << 4);
-  const uint32_t mins_lo = u[1] & m6;
-  u[1] = (u[2] & k4) | (((u[0] >> 6) & m2) << 4);
-  u[2] = mins_lo;
-  u[0] &= m6;
+  k4_scales_mins(blk + 4, u);
   const __m256i sm = _mm256_cvtepu8_epi16(_mm_loadu_si128(reinterpret_cast<const __m128i*>(u)));  // sc[0..7], m[0..7]
   for (int p = 0; p < 4; ++p) {  // 32 weights a scale: lanes 16i .. 16i + 15 take scale 2p + i
     const __m512i idx = _mm512_add_epi16(_mm512_srli_epi16(lane, 4), _mm512_set1_epi16(static_cast<short>(2 * p)));

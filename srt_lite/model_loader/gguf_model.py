@@ -24,7 +24,7 @@ import torch
 from srt_lite.model_loader.gguf_reader import GGUFError, GGUFFile
 from srt_lite.model_loader.gguf_types import GGUFType, dense, dequantize
 from srt_lite.model_loader.weight_utils import InMemory, TensorSource
-from srt_lite.utils import cache_root
+from srt_lite.utils import cache_root, write_json_atomic
 
 logger = logging.getLogger(__name__)
 
@@ -217,11 +217,7 @@ def prepare(gguf_path: str) -> str:
 
 def _record(folder: str, gguf_path: str) -> None:
     """Marks `folder` complete, noting the file it was last prepared for."""
-    path = os.path.join(folder, META_RECORD)
-    tmp = f"{path}.{os.getpid()}.tmp"
-    with open(tmp, "w") as out:
-        json.dump({"gguf_file": os.path.abspath(gguf_path)}, out)
-    os.replace(tmp, path)
+    write_json_atomic(os.path.join(folder, META_RECORD), {"gguf_file": os.path.abspath(gguf_path)})
 
 
 def _unpermute_rows(x: torch.Tensor, n_head: int) -> torch.Tensor:

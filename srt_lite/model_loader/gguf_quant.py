@@ -20,6 +20,8 @@ import os
 import numpy as np
 import torch
 
+from srt_lite.utils import write_json_atomic
+
 logger = logging.getLogger(__name__)
 
 # Written next to a converted checkpoint: the GGUF file it came from.
@@ -43,11 +45,7 @@ SUPPORTED_ARCHS = ("llama",)
 
 def write_source(model_dir: str, gguf_path: str) -> None:
     """Records which GGUF file a converted checkpoint came from (atomically)."""
-    path = os.path.join(model_dir, SOURCE_FILE)
-    tmp = f"{path}.{os.getpid()}.tmp"
-    with open(tmp, "w") as f:
-        json.dump({"gguf_file": os.path.abspath(gguf_path)}, f)
-    os.replace(tmp, path)
+    write_json_atomic(os.path.join(model_dir, SOURCE_FILE), {"gguf_file": os.path.abspath(gguf_path)})
 
 
 def source_gguf(model_dir: str) -> str | None:
