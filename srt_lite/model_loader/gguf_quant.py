@@ -17,9 +17,10 @@ import json
 import logging
 import os
 
-import numpy as np
 import torch
 
+from srt_lite.model_loader import gguf_model
+from srt_lite.model_loader.gguf_reader import GGUFFile
 from srt_lite.utils import write_json_atomic
 
 logger = logging.getLogger(__name__)
@@ -28,19 +29,6 @@ logger = logging.getLogger(__name__)
 SOURCE_FILE = "srt_lite_gguf_source.json"
 CACHE_FILE = "srt_lite_q4.st"  # load_q4_tensors' cache (safetensors; not *.safetensors, which are the checkpoint)
 GROUP = 32  # weights per GGUF block
-# GGUF name -> Hugging Face name, for the linears of a decoder layer (llama.cpp's names).
-_LAYER_LINEARS = {
-    "attn_q": "self_attn.q_proj",
-    "attn_k": "self_attn.k_proj",
-    "attn_v": "self_attn.v_proj",
-    "attn_output": "self_attn.o_proj",
-    "ffn_gate": "mlp.gate_proj",
-    "ffn_up": "mlp.up_proj",
-    "ffn_down": "mlp.down_proj",
-}
-# Architectures whose GGUF layout is known here; llama.cpp stores llama's q and k rows
-# permuted for its RoPE, which the reading undoes as transformers' conversion does.
-SUPPORTED_ARCHS = ("llama",)
 
 
 def write_source(model_dir: str, gguf_path: str) -> None:
@@ -58,25 +46,11 @@ def source_gguf(model_dir: str) -> str | None:
     return path if os.path.isfile(path) else None
 
 
-def _hf_name(gguf_name: str) -> str | None:
-    parts = gguf_name.split(".")  # blk.<i>.<kind>.weight
-    if len(parts) == 4 and parts[0] == "blk" and parts[3] == "weight" and parts[2] in _LAYER_LINEARS:
-        return f"model.layers.{parts[1]}.{_LAYER_LINEARS[parts[2]]}.weight"
-    return None
-
-
-def _unpermute_rows(x: torch.Tensor, n_head: int) -> torch.Tensor:
-    """Undoes llama.cpp's q/k row permutation (rows of each head interleaved in pairs)."""
-    rows = x.shape[0]
-    return x.reshape(n_head, rows // n_head // 2, 2, *x.shape[1:]).transpose(1, 2).reshape(x.shape)
-
-
-def _decode_blocks(raw: np.ndarray, kind: str, rows: int, cols: int) -> tuple[torch.Tensor, ...]:
+def _decode_blocks(raw: torch.Tensor, kind: str, rows: int, cols: int) -> tuple[torch.Tensor, ...]:
     """raw uint8 [rows, cols / 32 * block bytes] -> codes [rows, cols], scale, zero [rows, cols / 32]."""
     groups = cols // GROUP
     head = 4 if kind == "Q4_1" else 2  # bytes of float16 fields before the 16 code bytes
-    blocks = torch.from_numpy(np.array(raw))  # a writable copy of the mapped file's bytes
-    blocks = blocks.view(rows, groups, head + 16)
+    blocks = raw.clone().view(rows, groups, head + 16)  # a writable copy of the mapped file's bytes
     halves = blocks[..., :head].contiguous().view(torch.float16).float()  # [rows, groups, 1 or 2]
     d = halves[..., 0]
     packed = blocks[..., head:]  # [rows, groups, 16]
@@ -86,9 +60,9 @@ def _decode_blocks(raw: np.ndarray, kind: str, rows: int, cols: int) -> tuple[to
 
 
 def load_q4_tensors(model_dir: str, gguf_path: str) -> dict[str, tuple[torch.Tensor, torch.Tensor, torch.Tensor]]:
-    """read_q4_tensors, through a cache beside the converted checkpoint: gguf's reader parses
-    every metadata field in Python (the tokenizer's vocabulary too), seconds per start, where
-    the cache is a memory-mapped safetensors file. Codes are stored two to a byte."""
+    """read_q4_tensors, through a cache beside the converted checkpoint: unpacking every block
+    into codes, scales and zeros is work a start need not repeat, where the cache is a
+    memory-mapped safetensors file. Codes are stored two to a byte."""
     from safetensors import safe_open
     from safetensors.torch import save_file
 
@@ -118,35 +92,19 @@ def load_q4_tensors(model_dir: str, gguf_path: str) -> dict[str, tuple[torch.Ten
 
 
 def read_q4_tensors(gguf_path: str) -> dict[str, tuple[torch.Tensor, torch.Tensor, torch.Tensor]]:
-    """HF weight name -> (codes, scale, zero) for every Q4_0/Q4_1 linear of a decoder layer.
-    Empty for an architecture this module does not know (those load dequantized)."""
-    from gguf import GGUFReader
-
-    reader = GGUFReader(gguf_path)
-    arch = bytes(reader.fields["general.architecture"].parts[-1]).decode()
-    if arch not in SUPPORTED_ARCHS:
-        logger.info("GGUF architecture %s: its 4-bit weights load dequantized", arch)
+    """HF weight name -> (codes, scale, zero) for every Q4_0/Q4_1 linear of a decoder layer
+    (q and k rows un-permuted by gguf_model.iter_weights). Empty for an architecture other
+    than llama (those load dequantized)."""
+    f = GGUFFile(gguf_path)
+    if f.get("general.architecture") != "llama":
+        logger.info("GGUF architecture %s: its 4-bit weights load dequantized", f.get("general.architecture"))
         return {}
-
-    def field(name: str) -> int:
-        return int(reader.fields[f"{arch}.{name}"].parts[-1][0])
-
-    n_head = field("attention.head_count")
-    n_kv = field("attention.head_count_kv")
     out: dict[str, tuple[torch.Tensor, torch.Tensor, torch.Tensor]] = {}
-    for t in reader.tensors:
-        name = _hf_name(t.name)
-        kind = t.tensor_type.name
-        if name is None or kind not in ("Q4_0", "Q4_1"):
+    for name, src in gguf_model.iter_weights(f):
+        if not isinstance(src, gguf_model.QuantSource) or src.type.name not in ("Q4_0", "Q4_1"):
             continue
-        cols, rows = (int(n) for n in t.shape)  # GGUF lists the innermost dimension first
-        if cols % GROUP:
-            continue
-        tensors = _decode_blocks(t.data, kind, rows, cols)
-        if ".q_proj." in name or ".k_proj." in name:
-            heads = n_head if ".q_proj." in name else n_kv
-            tensors = tuple(_unpermute_rows(x, heads) for x in tensors)
-        out[name] = tensors
+        if name.startswith("model.layers.") and name.endswith("_proj.weight"):
+            out[name] = _decode_blocks(src.raw, src.type.name, src.raw.shape[0], src.cols)
     return out
 
 
