@@ -115,6 +115,23 @@ def _vnni() -> bool:
     return cpu_caps.get().avx512_vnni
 
 
+def test_without_the_cpp_ops_slabs_go_through_f_linear(monkeypatch):
+    """Without a C++ compiler, a GGUFWeight dequantizes with gguf's numpy reference and
+    multiplies in float: the exact product of the dequantized weight."""
+    from srt_lite.layers import gguf_linear
+
+    monkeypatch.setattr(gguf_linear.cpu_kernels, "load", lambda: False)
+    monkeypatch.setattr(gguf_types, "_kernels_built", lambda: False)
+    g = torch.Generator().manual_seed(6)
+    parts = [(gguf_types.BY_NAME[n], gguf_types.random_blocks(gguf_types.BY_NAME[n], 8, 256, g)) for n in ("Q4_K", "Q5_0")]
+    weight = GGUFWeight(parts, 256)
+    want = torch.cat([torch.from_numpy(gguf_dequantize(raw.numpy(), GGMLQuantizationType(t.id))).view(8, 256)
+                      for t, raw in parts])
+    x = torch.randn(3, 256, generator=g)
+    assert torch.equal(weight.dequantized(), want.float())
+    assert torch.allclose(weight.forward(x), x @ want.float().t(), rtol=1e-5, atol=1e-5)
+
+
 @pytest.mark.skipif(not cpu_kernels.load(), reason="the C++ ops do not build here")
 def test_gguf_linear_refuses_bad_parts():
     t = gguf_types.BY_NAME["Q4_K"]

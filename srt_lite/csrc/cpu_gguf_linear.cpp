@@ -270,8 +270,8 @@ void read_unit(int64_t type, const uint8_t* row, int64_t k0, int64_t n, Unit& u)
   }
 }
 
-// The run of weights read at a time from `type`'s rows: a super-block, or 8 small blocks.
-inline int64_t run_length(int64_t type, int64_t K, int64_t k0) { return std::min<int64_t>(kMaxUnit, K - k0); }
+// The run of weights read at a time from a row: a super-block, or up to 8 small blocks.
+inline int64_t run_length(int64_t K, int64_t k0) { return std::min<int64_t>(kMaxUnit, K - k0); }
 
 // One weight row [K] to float.
 // One weight row [K] to float32 or bf16 (rounded to nearest even, as at::BFloat16 rounds).
@@ -280,7 +280,7 @@ void dequantize_row(int64_t type, const uint8_t* row, int64_t K, T* out) {
   Unit u;
   const bool is_signed = type == kQ8_0;
   for (int64_t k0 = 0; k0 < K; k0 += kMaxUnit) {
-    read_unit<false>(type, row, k0, run_length(type, K, k0), u);
+    read_unit<false>(type, row, k0, run_length(K, k0), u);
     int64_t e = 0;
 #if defined(__AVX2__)
     for (; e < u.n; e += 8) {
@@ -351,11 +351,13 @@ void quantize_x256(const T* x, int64_t M, int64_t K, QuantizedX& xq) {
   });
 }
 
+// Fills xq's per-32 fields from x [M, K].
 template <typename T>
-QuantizedX quantize_x(const T* x, int64_t M, int64_t K) {
-  const int64_t Kp = (K + kMaxUnit - 1) / kMaxUnit * kMaxUnit;
-  QuantizedX out{Kp, std::vector<int8_t>(M * Kp, 0), std::vector<float>(M * Kp / 4, 0.f),
-                 std::vector<float>(M * Kp / 16, 0.f)};
+void quantize_x32(const T* x, int64_t M, int64_t K, QuantizedX& out) {
+  const int64_t Kp = out.Kp;
+  out.q.assign(M * Kp, 0);
+  out.dx4.assign(M * Kp / 4, 0.f);
+  out.sums.assign(M * Kp / 16, 0.f);
   const int64_t groups = K / 32;
   at::parallel_for(0, M * groups, 64, [&](int64_t begin, int64_t end) {
     for (int64_t i = begin; i < end; ++i) {
@@ -380,7 +382,6 @@ QuantizedX quantize_x(const T* x, int64_t M, int64_t K) {
       out.sums[(m * Kp + 32 * g) / 16 + 1] = d * static_cast<float>(sum[1]);
     }
   });
-  return out;
 }
 
 bool g_allow_vnni = false;  // set from srt_lite.cpu_caps (SRT_LITE_CPU_CAPS may deny it)
@@ -544,7 +545,7 @@ void row_vnni(int64_t type, const uint8_t* row, int64_t K, const QuantizedX& xq,
   for (int m = 0; m < MR; ++m) acc[m] = bacc[m] = _mm512_setzero_ps();
   Unit u;
   for (int64_t k0 = 0; k0 < K; k0 += kMaxUnit) {
-    read_unit<true>(type, row, k0, run_length(type, K, k0), u);
+    read_unit<true>(type, row, k0, run_length(K, k0), u);
     run_vnni<MR>(u, xq, m0, k0, acc, bacc);
   }
   for (int m = 0; m < MR; ++m) y[(m0 + m) * ldy] = _mm512_reduce_add_ps(acc[m]) + _mm512_reduce_add_ps(bacc[m]);
@@ -573,7 +574,7 @@ void row_plain(int64_t type, const uint8_t* row, int64_t K, const QuantizedX& xq
   float acc[MR] = {0}, bacc[MR] = {0};
 #endif
   for (int64_t k0 = 0; k0 < K; k0 += kMaxUnit) {
-    read_unit<false>(type, row, k0, run_length(type, K, k0), u);
+    read_unit<false>(type, row, k0, run_length(K, k0), u);
 #if defined(__AVX2__)
     for (int64_t h = 0; h < u.n / 32; ++h) {
       const __m256i w = _mm256_load_si256(reinterpret_cast<const __m256i*>(u.codes + 32 * h));
@@ -670,14 +671,17 @@ Parts check_parts(const at::TensorList weights, at::IntArrayRef types, int64_t K
 // y [M, N] fp32 through integer dot products.
 void dot_linear(const at::Tensor& x, const Parts& parts, float* y) {
   const int64_t M = x.size(0), K = x.size(1);
-  QuantizedX xq = x.scalar_type() == at::kBFloat16 ? quantize_x(x.data_ptr<at::BFloat16>(), M, K)
-                                                    : quantize_x(x.data_ptr<float>(), M, K);
-  if (g_allow_vnni && std::any_of(parts.types.begin(), parts.types.end(), is_k_type)) {
-    if (x.scalar_type() == at::kBFloat16) {
-      quantize_x256(x.data_ptr<at::BFloat16>(), M, K, xq);
-    } else {
-      quantize_x256(x.data_ptr<float>(), M, K, xq);
-    }
+  // x in the forms its parts read: per 256 values for the K-quants' super-block path (VNNI),
+  // per 32 for every other part.
+  QuantizedX xq;
+  xq.Kp = (K + kMaxUnit - 1) / kMaxUnit * kMaxUnit;
+  const bool bf16 = x.scalar_type() == at::kBFloat16;
+  const auto& types = parts.types;
+  if (g_allow_vnni && std::any_of(types.begin(), types.end(), is_k_type)) {
+    bf16 ? quantize_x256(x.data_ptr<at::BFloat16>(), M, K, xq) : quantize_x256(x.data_ptr<float>(), M, K, xq);
+  }
+  if (!g_allow_vnni || !std::all_of(types.begin(), types.end(), is_k_type)) {
+    bf16 ? quantize_x32(x.data_ptr<at::BFloat16>(), M, K, xq) : quantize_x32(x.data_ptr<float>(), M, K, xq);
   }
   at::parallel_for(0, parts.N, 16, [&](int64_t begin, int64_t end) {
     for (int64_t n = begin; n < end; ++n) {

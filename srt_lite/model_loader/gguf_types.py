@@ -78,15 +78,19 @@ def dequantize(raw: torch.Tensor, t: GGUFType, cols: int) -> torch.Tensor:
     built, else gguf's own numpy reference."""
     if not t.quantized:
         return dense(raw, t, cols).float()
-    from srt_lite.layers import cpu_kernels
-
-    if cpu_kernels.load():
+    if _kernels_built():
         return torch.ops.srt_lite_cpu.gguf_dequantize(raw.contiguous(), t.id, cols)
     from gguf import GGMLQuantizationType
     from gguf.quants import dequantize as np_dequantize
 
     out = np_dequantize(raw.contiguous().numpy(), GGMLQuantizationType(t.id))
     return torch.from_numpy(np.ascontiguousarray(out, dtype=np.float32)).view(raw.shape[0], cols)
+
+
+def _kernels_built() -> bool:
+    from srt_lite.layers import cpu_kernels
+
+    return cpu_kernels.load()
 
 
 def random_blocks(t: GGUFType, rows: int, cols: int, gen: torch.Generator, scale: float = 0.01) -> torch.Tensor:
