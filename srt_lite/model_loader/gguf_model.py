@@ -67,8 +67,8 @@ class QuantSource:
     so a layer that does not keep blocks loads it as any other tensor; `narrow_rows` and
     `narrow_cols` give the blocks of a slice, for layers that keep them."""
 
-    def __init__(self, raw: torch.Tensor, type: GGUFType, cols: int, name: str, keep: bool = True):
-        self.raw, self.type, self.cols, self.name = raw, type, cols, name
+    def __init__(self, raw: torch.Tensor, type: GGUFType, cols: int, keep: bool = True):
+        self.raw, self.type, self.cols = raw, type, cols
         self.keep = keep  # whether layers may keep the blocks (else they read it dequantized)
 
     def get_shape(self) -> list[int]:
@@ -80,7 +80,7 @@ class QuantSource:
         return dequantize(self.raw[rows], self.type, self.cols)[(slice(None), *index[1:])]
 
     def narrow_rows(self, start: int, length: int) -> "QuantSource":
-        return QuantSource(self.raw[start : start + length], self.type, self.cols, self.name, self.keep)
+        return QuantSource(self.raw[start : start + length], self.type, self.cols, self.keep)
 
     def narrow_cols(self, start: int, length: int) -> "QuantSource | None":
         """The blocks of columns [start, start + length), or None where the slice cuts a block."""
@@ -88,7 +88,7 @@ class QuantSource:
         if start % unit or length % unit:
             return None
         b0, b1 = self.type.row_bytes(start), self.type.row_bytes(start + length)
-        return QuantSource(self.raw[:, b0:b1], self.type, length, self.name, self.keep)
+        return QuantSource(self.raw[:, b0:b1], self.type, length, self.keep)
 
 
 def _hf_name(name: str) -> str | None:
@@ -246,4 +246,4 @@ def iter_weights(f: GGUFFile, keep: bool = True) -> Iterator[tuple[str, TensorSo
         value = f.raw(name) if t.type.quantized else dense(f.raw(name), t.type, t.cols).view(t.shape)
         if arch in _PERMUTED_QK and (".q_proj." in hf or ".k_proj." in hf):
             value = _unpermute_rows(value, heads if ".q_proj." in hf else kv_heads)
-        yield hf, QuantSource(value, t.type, t.cols, name, keep) if t.type.quantized else InMemory(value)
+        yield hf, QuantSource(value, t.type, t.cols, keep) if t.type.quantized else InMemory(value)
