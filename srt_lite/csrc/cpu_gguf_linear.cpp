@@ -319,6 +319,7 @@ struct QuantizedX {
   std::vector<int8_t> q256;
   std::vector<float> d256;
   std::vector<int16_t> sum16;
+  std::vector<int16_t> sum32;  // [M, Kp / 32], sum of q256 per 32 (the packed Q4_K's minimums)
 };
 
 // Fills xq's per-256 fields from x [M, K] (K a multiple of 256).
@@ -328,6 +329,7 @@ void quantize_x256(const T* x, int64_t M, int64_t K, QuantizedX& xq) {
   xq.q256.assign(M * Kp, 0);
   xq.d256.assign(M * Kp / 256, 0.f);
   xq.sum16.assign(M * Kp / 16, 0);
+  xq.sum32.assign(M * Kp / 32, 0);
   at::parallel_for(0, M * blocks, 16, [&](int64_t begin, int64_t end) {
     for (int64_t i = begin; i < end; ++i) {
       const int64_t m = i / blocks, b = i % blocks;
@@ -346,6 +348,7 @@ void quantize_x256(const T* x, int64_t M, int64_t K, QuantizedX& xq) {
         }
         sums[j] = static_cast<int16_t>(sum);
       }
+      for (int j = 0; j < 8; ++j) xq.sum32[(m * Kp + 256 * b) / 32 + j] = static_cast<int16_t>(sums[2 * j] + sums[2 * j + 1]);
       xq.d256[(m * Kp) / 256 + b] = d;
     }
   });
@@ -643,10 +646,298 @@ void dot_rows(int64_t type, const uint8_t* row, int64_t K, const QuantizedX& xq,
   }
 }
 
+// ---------------------------------------------------------------------------------------------
+// Q4_K, Q6_K and Q8_0 repacked sixteen rows at a time (a type id + kPacked), for CPUs with
+// AVX512-VNNI. One 64-byte load holds 4 code bytes of each of 16 rows, so one vpdpbusd with 4
+// bytes of x broadcast takes 16 rows' dot products at once, each row in its own int32 lane:
+// the x bytes and the scale steps serve 16 rows, no lane sum is left to reduce at the end of a
+// row, and the 16 outputs are stored in one go. llama.cpp's Q4_K_8x8 repack follows the same
+// idea. The repack keeps every bit of the file's blocks (unpack_row gives them back exactly),
+// a packed group of a block takes 16 times the block's bytes plus, for Q4_K, 32 bytes of
+// unpacked scales. Per 16-row group and block, in order:
+//   Q4_K: d fp16 [16] | dmin fp16 [16] | sc u8 [8 sub-blocks][16] | min u8 [4 pairs][16][2] |
+//         qs [4 chunks][8][16][4]: byte t of group (c, j) of row r is the file's qs[32c + 4j + t]
+//         (low nibble weight 64c + 4j + t, high nibble 64c + 32 + 4j + t).
+//   Q6_K: d fp16 [16] | sc i8 [8 pairs][16][2] | [2 halves n][8 j] of (qh, ql, ql') [16][4]:
+//         byte t of row r is the file's qh[32n + 4j + t], ql[64n + 4j + t], ql[64n + 32 + 4j + t]
+//         (the three a kernel step reads, side by side so that the block is read in order).
+//   Q8_0: d fp16 [16] | codes + 128 as u8 [8][16][4] (weight 4j + t of the block).
+constexpr int64_t kPacked = 256;
+constexpr int64_t kGroup = 16;
+
+inline bool is_packed(int64_t type) { return type >= kPacked; }
+
+int64_t packed_group_bytes(int64_t type) {  // one block of 16 rows
+  switch (type) {
+    case kQ4_K: return 2368;
+    case kQ6_K: return 3360;
+    case kQ8_0: return 544;
+    default: return 0;
+  }
+}
+
+// Offset of group j (4 bytes a row, `per` groups a chunk) of chunk c, row r, in a packed area.
+inline int64_t granule(int64_t per, int64_t c, int64_t j, int64_t r) { return ((per * c + j) * kGroup + r) * 4; }
+
+// Offset of row r's 4 bytes of qh (i = 0), ql (1) or ql' (2) for step (n, j) of a packed Q6_K block.
+inline int64_t q6_at(int64_t n, int64_t j, int64_t i, int64_t r) { return 288 + ((8 * n + j) * 3 + i) * 64 + 4 * r; }
+
+// Rows [16 g, 16 g + 16) of `src` (row_bytes apart) into one packed group of `type`.
+void repack_group(int64_t type, const uint8_t* src, int64_t row_bytes, int64_t K, uint8_t* dst) {
+  const TypeInfo info = type_info(type);
+  const int64_t gb = packed_group_bytes(type);
+  for (int64_t b = 0; b < K / info.unit; ++b) {
+    uint8_t* out = dst + b * gb;
+    for (int64_t r = 0; r < kGroup; ++r) {
+      const uint8_t* blk = src + r * row_bytes + b * info.bytes;
+      if (type == kQ8_0) {
+        std::memcpy(out + 2 * r, blk, 2);
+        for (int64_t e = 0; e < 32; ++e) out[32 + (e / 4 * kGroup + r) * 4 + e % 4] = blk[2 + e] ^ 0x80;
+      } else if (type == kQ4_K) {
+        std::memcpy(out + 2 * r, blk, 2);
+        std::memcpy(out + 32 + 2 * r, blk + 2, 2);
+        uint32_t w[4];
+        k4_scales_mins(blk + 4, w);
+        const uint8_t* sm = reinterpret_cast<const uint8_t*>(w);
+        for (int s = 0; s < 8; ++s) out[64 + s * kGroup + r] = sm[s];
+        for (int s = 0; s < 8; ++s) out[192 + ((s / 2) * kGroup + r) * 2 + s % 2] = sm[8 + s];
+        for (int64_t c = 0; c < 4; ++c) {
+          for (int64_t j = 0; j < 8; ++j) std::memcpy(out + 320 + granule(8, c, j, r), blk + 16 + 32 * c + 4 * j, 4);
+        }
+      } else {  // Q6_K
+        std::memcpy(out + 2 * r, blk + 208, 2);
+        for (int s = 0; s < 16; ++s) out[32 + ((s / 2) * kGroup + r) * 2 + s % 2] = blk[192 + s];
+        for (int64_t n = 0; n < 2; ++n) {
+          for (int64_t j = 0; j < 8; ++j) {
+            std::memcpy(out + q6_at(n, j, 0, r), blk + 128 + 32 * n + 4 * j, 4);
+            std::memcpy(out + q6_at(n, j, 1, r), blk + 64 * n + 4 * j, 4);
+            std::memcpy(out + q6_at(n, j, 2, r), blk + 64 * n + 32 + 4 * j, 4);
+          }
+        }
+      }
+    }
+  }
+}
+
+// Row r of a packed group back in the file's blocks (row_bytes of them).
+void unpack_row(int64_t type, const uint8_t* group, int64_t K, int64_t r, uint8_t* row) {
+  const TypeInfo info = type_info(type);
+  const int64_t gb = packed_group_bytes(type);
+  for (int64_t b = 0; b < K / info.unit; ++b) {
+    const uint8_t* in = group + b * gb;
+    uint8_t* blk = row + b * info.bytes;
+    if (type == kQ8_0) {
+      std::memcpy(blk, in + 2 * r, 2);
+      for (int64_t e = 0; e < 32; ++e) blk[2 + e] = in[32 + (e / 4 * kGroup + r) * 4 + e % 4] ^ 0x80;
+    } else if (type == kQ4_K) {
+      std::memcpy(blk, in + 2 * r, 2);
+      std::memcpy(blk + 2, in + 32 + 2 * r, 2);
+      uint8_t sc[8], mn[8];
+      for (int s = 0; s < 8; ++s) {
+        sc[s] = in[64 + s * kGroup + r];
+        mn[s] = in[192 + ((s / 2) * kGroup + r) * 2 + s % 2];
+      }
+      uint8_t* q = blk + 4;  // the inverse of k4_scales_mins
+      for (int j = 0; j < 4; ++j) {
+        q[j] = sc[j] | ((sc[j + 4] >> 4) << 6);
+        q[j + 4] = mn[j] | ((mn[j + 4] >> 4) << 6);
+        q[j + 8] = (sc[j + 4] & 0xF) | ((mn[j + 4] & 0xF) << 4);
+      }
+      for (int64_t c = 0; c < 4; ++c) {
+        for (int64_t j = 0; j < 8; ++j) std::memcpy(blk + 16 + 32 * c + 4 * j, in + 320 + granule(8, c, j, r), 4);
+      }
+    } else {  // Q6_K
+      std::memcpy(blk + 208, in + 2 * r, 2);
+      for (int s = 0; s < 16; ++s) blk[192 + s] = in[32 + ((s / 2) * kGroup + r) * 2 + s % 2];
+      for (int64_t n = 0; n < 2; ++n) {
+        for (int64_t j = 0; j < 8; ++j) {
+          std::memcpy(blk + 128 + 32 * n + 4 * j, in + q6_at(n, j, 0, r), 4);
+          std::memcpy(blk + 64 * n + 4 * j, in + q6_at(n, j, 1, r), 4);
+          std::memcpy(blk + 64 * n + 32 + 4 * j, in + q6_at(n, j, 2, r), 4);
+        }
+      }
+    }
+  }
+}
+
+#if defined(CPU_CAPABILITY_AVX512) && defined(__GNUC__)
+constexpr int kPackedRowTile = 4;  // rows of x a pass over a packed group keeps in registers
+
+inline __m512i bcast4(const int8_t* p) {  // 4 bytes of x in every lane
+  int32_t v;
+  std::memcpy(&v, p, 4);
+  return _mm512_set1_epi32(v);
+}
+
+inline __m512 halves16(const uint8_t* p) {  // 16 fp16 values to fp32
+  return _mm512_cvtph_ps(_mm256_loadu_si256(reinterpret_cast<const __m256i*>(p)));
+}
+
+// Rows [m0, m0 + MR) of x against a packed group of 16 outputs, into y[m * ldy + 0 .. 15].
+// Per super-block: int32 sums of each sub-block times its scale, then one float step with
+// d * dx (x quantized per 256 as llama.cpp's q8_K), as the unpacked K-quant path does.
+template <int MR>
+__attribute__((target("avx512f,avx512bw,avx512vl,avx512vnni,f16c")))
+void packed_q4k(const uint8_t* group, int64_t K, const QuantizedX& xq, int64_t m0, float* y, int64_t ldy) {
+  const __m512i m4 = _mm512_set1_epi8(0xF);
+  __m512 acc[MR];
+  for (int m = 0; m < MR; ++m) acc[m] = _mm512_setzero_ps();
+  for (int64_t b = 0; b < K / 256; ++b) {
+    const uint8_t* in = group + b * 2368;
+    __m512i isum[MR], imin[MR];
+    for (int m = 0; m < MR; ++m) isum[m] = imin[m] = _mm512_setzero_si512();
+    for (int c = 0; c < 4; ++c) {
+      __m512i lo[8], hi[8];
+      for (int j = 0; j < 8; ++j) {
+        const __m512i v = _mm512_loadu_si512(in + 320 + granule(8, c, j, 0));
+        lo[j] = _mm512_and_si512(v, m4);
+        hi[j] = _mm512_and_si512(_mm512_srli_epi16(v, 4), m4);
+      }
+      const __m512i sc_lo = _mm512_cvtepu8_epi32(_mm_loadu_si128(reinterpret_cast<const __m128i*>(in + 64 + 32 * c)));
+      const __m512i sc_hi = _mm512_cvtepu8_epi32(_mm_loadu_si128(reinterpret_cast<const __m128i*>(in + 80 + 32 * c)));
+      for (int m = 0; m < MR; ++m) {
+        const int8_t* q = xq.q256.data() + (m0 + m) * xq.Kp + 256 * b + 64 * c;
+        __m512i a0 = _mm512_setzero_si512(), a1 = _mm512_setzero_si512();
+        for (int j = 0; j < 8; ++j) {
+          a0 = _mm512_dpbusd_epi32(a0, lo[j], bcast4(q + 4 * j));
+          a1 = _mm512_dpbusd_epi32(a1, hi[j], bcast4(q + 32 + 4 * j));
+        }
+        isum[m] = _mm512_add_epi32(isum[m], _mm512_add_epi32(_mm512_mullo_epi32(a0, sc_lo), _mm512_mullo_epi32(a1, sc_hi)));
+        const __m512i mins = _mm512_cvtepu8_epi16(_mm256_loadu_si256(reinterpret_cast<const __m256i*>(in + 192 + 32 * c)));
+        int32_t pair;  // the sums of x over sub-blocks 2c and 2c + 1, as two int16
+        std::memcpy(&pair, xq.sum32.data() + ((m0 + m) * xq.Kp + 256 * b) / 32 + 2 * c, 4);
+        imin[m] = _mm512_dpwssd_epi32(imin[m], mins, _mm512_set1_epi32(pair));
+      }
+    }
+    const __m512 d = halves16(in), dmin = halves16(in + 32);
+    for (int m = 0; m < MR; ++m) {
+      const __m512 dx = _mm512_set1_ps(xq.d256[((m0 + m) * xq.Kp) / 256 + b]);
+      acc[m] = _mm512_fmadd_ps(_mm512_cvtepi32_ps(isum[m]), _mm512_mul_ps(d, dx), acc[m]);
+      acc[m] = _mm512_fnmadd_ps(_mm512_cvtepi32_ps(imin[m]), _mm512_mul_ps(dmin, dx), acc[m]);
+    }
+  }
+  for (int m = 0; m < MR; ++m) _mm512_storeu_ps(y + (m0 + m) * ldy, acc[m]);
+}
+
+// Q6_K: ql byte 64n + l holds the low 4 bits of weights 128n + l (low nibble) and 128n + 64 + l
+// (high); qh byte 32n + l the top 2 bits of 128n + l + 32 i at bits 2i. Scales per 16 weights.
+template <int MR>
+__attribute__((target("avx512f,avx512bw,avx512vl,avx512vnni,f16c")))
+void packed_q6k(const uint8_t* group, int64_t K, const QuantizedX& xq, int64_t m0, float* y, int64_t ldy) {
+  const __m512i m4 = _mm512_set1_epi8(0xF), m30 = _mm512_set1_epi8(0x30);
+  __m512 acc[MR];
+  for (int m = 0; m < MR; ++m) acc[m] = _mm512_setzero_ps();
+  for (int64_t b = 0; b < K / 256; ++b) {
+    const uint8_t* in = group + b * 3360;
+    __m512i isum[MR], corr[MR];
+    for (int m = 0; m < MR; ++m) isum[m] = corr[m] = _mm512_setzero_si512();
+    for (int n = 0; n < 2; ++n) {
+      // Scales of the half's groups 8n .. 8n + 7 as int16 pairs: pairs[i] = (8n + 2i, 8n + 2i + 1).
+      __m512i pairs[4];
+      for (int i = 0; i < 4; ++i) {
+        pairs[i] = _mm512_cvtepi8_epi16(_mm256_loadu_si256(reinterpret_cast<const __m256i*>(in + 32 + 32 * (4 * n + i))));
+      }
+      for (int h = 0; h < 2; ++h) {  // qh groups 4h .. 4h + 3: weights 128n + 32i + 16h + [0, 16)
+        __m512i codes[4][4];  // [i][jj]: weights 128n + 32i + 16h + 4jj + [0, 4), group 8n + 2i + h
+        for (int jj = 0; jj < 4; ++jj) {
+          const int j = 4 * h + jj;
+          const __m512i hb = _mm512_loadu_si512(in + q6_at(n, j, 0, 0));
+          const __m512i l0 = _mm512_loadu_si512(in + q6_at(n, j, 1, 0));
+          const __m512i l1 = _mm512_loadu_si512(in + q6_at(n, j, 2, 0));
+          codes[0][jj] = _mm512_or_si512(_mm512_and_si512(l0, m4), _mm512_and_si512(_mm512_slli_epi16(hb, 4), m30));
+          codes[1][jj] = _mm512_or_si512(_mm512_and_si512(l1, m4), _mm512_and_si512(_mm512_slli_epi16(hb, 2), m30));
+          codes[2][jj] = _mm512_or_si512(_mm512_and_si512(_mm512_srli_epi16(l0, 4), m4), _mm512_and_si512(hb, m30));
+          codes[3][jj] = _mm512_or_si512(_mm512_and_si512(_mm512_srli_epi16(l1, 4), m4),
+                                         _mm512_and_si512(_mm512_srli_epi16(hb, 2), m30));
+        }
+        __m512i sc[4];  // int32 scale of group 8n + 2i + h
+        for (int i = 0; i < 4; ++i) {
+          sc[i] = h == 0 ? _mm512_srai_epi32(_mm512_slli_epi32(pairs[i], 16), 16) : _mm512_srai_epi32(pairs[i], 16);
+        }
+        for (int m = 0; m < MR; ++m) {
+          const int8_t* q = xq.q256.data() + (m0 + m) * xq.Kp + 256 * b + 128 * n + 16 * h;
+          for (int i = 0; i < 4; ++i) {
+            __m512i a = _mm512_setzero_si512();
+            for (int jj = 0; jj < 4; ++jj) a = _mm512_dpbusd_epi32(a, codes[i][jj], bcast4(q + 32 * i + 4 * jj));
+            isum[m] = _mm512_add_epi32(isum[m], _mm512_mullo_epi32(a, sc[i]));
+          }
+        }
+      }
+      for (int m = 0; m < MR; ++m) {
+        int32_t sums[4];  // x's sums over the half's groups, as int16 pairs like `pairs`
+        std::memcpy(sums, xq.sum16.data() + ((m0 + m) * xq.Kp + 256 * b) / 16 + 8 * n, 16);
+        for (int i = 0; i < 4; ++i) corr[m] = _mm512_dpwssd_epi32(corr[m], pairs[i], _mm512_set1_epi32(sums[i]));
+      }
+    }
+    const __m512 d = halves16(in);
+    for (int m = 0; m < MR; ++m) {  // codes are the weights + 32: sum(sc * (code - 32) * x)
+      const __m512i total = _mm512_sub_epi32(isum[m], _mm512_slli_epi32(corr[m], 5));
+      const __m512 dx = _mm512_set1_ps(xq.d256[((m0 + m) * xq.Kp) / 256 + b]);
+      acc[m] = _mm512_fmadd_ps(_mm512_cvtepi32_ps(total), _mm512_mul_ps(d, dx), acc[m]);
+    }
+  }
+  for (int m = 0; m < MR; ++m) _mm512_storeu_ps(y + (m0 + m) * ldy, acc[m]);
+}
+
+// Q8_0 against x quantized per 32 (codes are stored + 128: sum((w + 128) * qx) - 128 sum(qx)).
+template <int MR>
+__attribute__((target("avx512f,avx512bw,avx512vl,avx512vnni,f16c")))
+void packed_q80(const uint8_t* group, int64_t K, const QuantizedX& xq, int64_t m0, float* y, int64_t ldy) {
+  __m512 acc[MR];
+  for (int m = 0; m < MR; ++m) acc[m] = _mm512_setzero_ps();
+  for (int64_t b = 0; b < K / 32; ++b) {
+    const uint8_t* in = group + b * 544;
+    __m512i w[8];
+    for (int j = 0; j < 8; ++j) w[j] = _mm512_loadu_si512(in + 32 + 64 * j);
+    const __m512 d = halves16(in);
+    for (int m = 0; m < MR; ++m) {
+      const int64_t base = (m0 + m) * xq.Kp + 32 * b;
+      const int8_t* q = xq.q.data() + base;
+      __m512i a0 = _mm512_setzero_si512(), a1 = _mm512_setzero_si512();
+      for (int j = 0; j < 8; j += 2) {
+        a0 = _mm512_dpbusd_epi32(a0, w[j], bcast4(q + 4 * j));
+        a1 = _mm512_dpbusd_epi32(a1, w[j + 1], bcast4(q + 4 * j + 4));
+      }
+      const float dx = xq.dx4[base / 4];
+      const float off = 128.f * (xq.sums[base / 16] + xq.sums[base / 16 + 1]);  // dx * 128 * sum(qx)
+      const __m512 dot = _mm512_fmsub_ps(_mm512_cvtepi32_ps(_mm512_add_epi32(a0, a1)), _mm512_set1_ps(dx), _mm512_set1_ps(off));
+      acc[m] = _mm512_fmadd_ps(dot, d, acc[m]);
+    }
+  }
+  for (int m = 0; m < MR; ++m) _mm512_storeu_ps(y + (m0 + m) * ldy, acc[m]);
+}
+
+template <int MR>
+void packed_tile(int64_t type, const uint8_t* group, int64_t K, const QuantizedX& xq, int64_t m0, float* y, int64_t ldy) {
+  switch (type) {
+    case kQ4_K: return packed_q4k<MR>(group, K, xq, m0, y, ldy);
+    case kQ6_K: return packed_q6k<MR>(group, K, xq, m0, y, ldy);
+    default: return packed_q80<MR>(group, K, xq, m0, y, ldy);
+  }
+}
+
+// All M rows of x against one packed group (type without the kPacked flag).
+void packed_rows(int64_t type, const uint8_t* group, int64_t K, const QuantizedX& xq, int64_t M, float* y, int64_t ldy) {
+  for (int64_t m0 = 0; m0 < M; m0 += kPackedRowTile) {
+    switch (std::min<int64_t>(kPackedRowTile, M - m0)) {
+      case 1: packed_tile<1>(type, group, K, xq, m0, y, ldy); break;
+      case 2: packed_tile<2>(type, group, K, xq, m0, y, ldy); break;
+      case 3: packed_tile<3>(type, group, K, xq, m0, y, ldy); break;
+      default: packed_tile<4>(type, group, K, xq, m0, y, ldy); break;
+    }
+  }
+}
+#else
+void packed_rows(int64_t, const uint8_t*, int64_t, const QuantizedX&, int64_t, float*, int64_t) {
+  TORCH_CHECK(false, "gguf_linear: packed weights need the AVX512-VNNI build");
+}
+#endif
+
 struct Parts {
   std::vector<const uint8_t*> data;
-  std::vector<int64_t> types, row_bytes, first;  // first: the part's first output
+  std::vector<int64_t> types, row_bytes, first;  // row_bytes: a row's (a packed group's) stride
   int64_t N = 0;
+  int64_t rows(size_t p) const { return (p + 1 < first.size() ? first[p + 1] : N) - first[p]; }
 };
 
 Parts check_parts(const at::TensorList weights, at::IntArrayRef types, int64_t K) {
@@ -654,41 +945,62 @@ Parts check_parts(const at::TensorList weights, at::IntArrayRef types, int64_t K
   Parts parts;
   for (size_t i = 0; i < weights.size(); ++i) {
     const at::Tensor& w = weights[i];
-    const TypeInfo info = type_info(types[i]);
+    const bool packed = is_packed(types[i]);
+    const int64_t type = types[i] % kPacked;
+    const TypeInfo info = type_info(type);
+    TORCH_CHECK(!packed || packed_group_bytes(type) > 0, "gguf_linear: type ", type, " has no packed layout");
+    const int64_t width = K / info.unit * (packed ? packed_group_bytes(type) : info.bytes);
     TORCH_CHECK(K % info.unit == 0, "gguf_linear: K = ", K, " is not a multiple of the block size ", info.unit);
-    TORCH_CHECK(w.scalar_type() == at::kByte && w.dim() == 2 && w.stride(1) == 1 &&
-                    w.size(1) == K / info.unit * info.bytes,
-                "gguf_linear: part ", i, " must be uint8 [rows, ", K / info.unit * info.bytes, "] with contiguous rows");
+    TORCH_CHECK(w.scalar_type() == at::kByte && w.dim() == 2 && w.stride(1) == 1 && w.size(1) == width,
+                "gguf_linear: part ", i, " must be uint8 [", packed ? "groups" : "rows", ", ", width,
+                "] with contiguous rows");
     parts.data.push_back(w.data_ptr<uint8_t>());
     parts.types.push_back(types[i]);
     parts.row_bytes.push_back(w.stride(0));
     parts.first.push_back(parts.N);
-    parts.N += w.size(0);
+    parts.N += w.size(0) * (packed ? kGroup : 1);
   }
   return parts;
 }
 
-// y [M, N] fp32 through integer dot products.
+// Whether a part reads x quantized per 256 (the K-quants' super-block products) or per 32.
+bool reads_x256(int64_t type) { return is_k_type(type % kPacked) && (is_packed(type) || g_allow_vnni); }
+
+// y [M, N] fp32 through integer dot products, 16 outputs a task.
 void dot_linear(const at::Tensor& x, const Parts& parts, float* y) {
   const int64_t M = x.size(0), K = x.size(1);
-  // x in the forms its parts read: per 256 values for the K-quants' super-block path (VNNI),
-  // per 32 for every other part.
   QuantizedX xq;
   xq.Kp = (K + kMaxUnit - 1) / kMaxUnit * kMaxUnit;
   const bool bf16 = x.scalar_type() == at::kBFloat16;
   const auto& types = parts.types;
-  if (g_allow_vnni && std::any_of(types.begin(), types.end(), is_k_type)) {
+  if (std::any_of(types.begin(), types.end(), reads_x256)) {
     bf16 ? quantize_x256(x.data_ptr<at::BFloat16>(), M, K, xq) : quantize_x256(x.data_ptr<float>(), M, K, xq);
   }
-  if (!g_allow_vnni || !std::all_of(types.begin(), types.end(), is_k_type)) {
+  if (!std::all_of(types.begin(), types.end(), reads_x256)) {
     bf16 ? quantize_x32(x.data_ptr<at::BFloat16>(), M, K, xq) : quantize_x32(x.data_ptr<float>(), M, K, xq);
   }
-  at::parallel_for(0, parts.N, 16, [&](int64_t begin, int64_t end) {
-    for (int64_t n = begin; n < end; ++n) {
-      const size_t p = std::upper_bound(parts.first.begin(), parts.first.end(), n) - parts.first.begin() - 1;
-      const uint8_t* row = parts.data[p] + (n - parts.first[p]) * parts.row_bytes[p];
-      for (int64_t m0 = 0; m0 < M; m0 += kRowTile) {
-        dot_rows(parts.types[p], row, K, xq, m0, std::min(kRowTile, M - m0), y + n, parts.N);
+  struct Task {
+    size_t p;
+    int64_t r0, rows;
+  };
+  std::vector<Task> tasks;
+  for (size_t p = 0; p < types.size(); ++p) {
+    TORCH_CHECK(!is_packed(types[p]) || g_allow_vnni, "gguf_linear: packed weights need AVX512-VNNI");
+    for (int64_t r0 = 0; r0 < parts.rows(p); r0 += kGroup) tasks.push_back({p, r0, std::min(kGroup, parts.rows(p) - r0)});
+  }
+  at::parallel_for(0, static_cast<int64_t>(tasks.size()), 1, [&](int64_t begin, int64_t end) {
+    for (int64_t i = begin; i < end; ++i) {
+      const Task& t = tasks[i];
+      const int64_t type = types[t.p], n0 = parts.first[t.p] + t.r0;
+      if (is_packed(type)) {
+        packed_rows(type % kPacked, parts.data[t.p] + t.r0 / kGroup * parts.row_bytes[t.p], K, xq, M, y + n0, parts.N);
+        continue;
+      }
+      for (int64_t r = 0; r < t.rows; ++r) {
+        const uint8_t* row = parts.data[t.p] + (t.r0 + r) * parts.row_bytes[t.p];
+        for (int64_t m0 = 0; m0 < M; m0 += kRowTile) {
+          dot_rows(type, row, K, xq, m0, std::min(kRowTile, M - m0), y + n0 + r, parts.N);
+        }
       }
     }
   });
@@ -697,14 +1009,21 @@ void dot_linear(const at::Tensor& x, const Parts& parts, float* y) {
 // Rows [n0, n0 + rows) of the parts, dequantized into out [rows, K] (of `dtype`).
 void dequantize_rows(const Parts& parts, int64_t K, int64_t n0, int64_t rows, const at::Tensor& out) {
   at::parallel_for(0, rows, 4, [&](int64_t begin, int64_t end) {
+    std::vector<uint8_t> buf;  // a packed row back in the file's blocks
     for (int64_t r = begin; r < end; ++r) {
       const int64_t n = n0 + r;
       const size_t p = std::upper_bound(parts.first.begin(), parts.first.end(), n) - parts.first.begin() - 1;
-      const uint8_t* row = parts.data[p] + (n - parts.first[p]) * parts.row_bytes[p];
+      const int64_t type = parts.types[p] % kPacked, i = n - parts.first[p];
+      const uint8_t* row = parts.data[p] + i * parts.row_bytes[p];
+      if (is_packed(parts.types[p])) {
+        buf.resize(K / type_info(type).unit * type_info(type).bytes);
+        unpack_row(type, parts.data[p] + i / kGroup * parts.row_bytes[p], K, i % kGroup, buf.data());
+        row = buf.data();
+      }
       if (out.scalar_type() == at::kFloat) {
-        dequantize_row(parts.types[p], row, K, out.data_ptr<float>() + r * K);
+        dequantize_row(type, row, K, out.data_ptr<float>() + r * K);
       } else {
-        dequantize_row(parts.types[p], row, K, out.data_ptr<at::BFloat16>() + r * K);
+        dequantize_row(type, row, K, out.data_ptr<at::BFloat16>() + r * K);
       }
     }
   });
@@ -752,17 +1071,37 @@ at::Tensor gguf_dequantize(const at::Tensor& weight, int64_t type, int64_t K) {
   return out;
 }
 
+// weight uint8 [N, K / unit * bytes] of `type` (N a multiple of 16) -> its packed groups
+// uint8 [N / 16, K / unit * group bytes], for gguf_linear with type + 256.
+at::Tensor gguf_repack(const at::Tensor& weight, int64_t type, int64_t K) {
+  const at::Tensor w = weight.contiguous();
+  const Parts parts = check_parts({w}, {type}, K);
+  TORCH_CHECK(packed_group_bytes(type) > 0, "gguf_repack: type ", type, " has no packed layout");
+  TORCH_CHECK(parts.N % kGroup == 0, "gguf_repack: rows must be a multiple of ", kGroup);
+  const int64_t width = K / type_info(type).unit * packed_group_bytes(type);
+  at::Tensor out = at::empty({parts.N / kGroup, width}, w.options());  // [N / 16, width]
+  at::parallel_for(0, parts.N / kGroup, 16, [&](int64_t begin, int64_t end) {
+    for (int64_t g = begin; g < end; ++g) {
+      repack_group(type, parts.data[0] + g * kGroup * parts.row_bytes[0], parts.row_bytes[0], K,
+                   out.data_ptr<uint8_t>() + g * width);
+    }
+  });
+  return out;
+}
+
 }  // namespace
 
 TORCH_LIBRARY_FRAGMENT(srt_lite_cpu, m) {
   m.def("gguf_linear(Tensor x, Tensor[] weights, int[] types, Tensor? bias, int dot_rows, bool mm_bf16) -> Tensor");
   m.def("gguf_dequantize(Tensor weight, int type, int K) -> Tensor");
+  m.def("gguf_repack(Tensor weight, int type, int K) -> Tensor");
   m.def("gguf_allow_vnni(bool allow) -> ()");
 }
 
 TORCH_LIBRARY_IMPL(srt_lite_cpu, CPU, m) {
   m.impl("gguf_linear", &gguf_linear);
   m.impl("gguf_dequantize", &gguf_dequantize);
+  m.impl("gguf_repack", &gguf_repack);
 }
 
 TORCH_LIBRARY_IMPL(srt_lite_cpu, CompositeExplicitAutograd, m) { m.impl("gguf_allow_vnni", &gguf_allow_vnni); }

@@ -48,7 +48,7 @@ class VocabParallelEmbedding(nn.Module):
             raw = src.narrow_rows(self.vocab_start, n).raw
             if n < self.vocab_per_rank:  # zero blocks (zero scales) for the padding rows
                 raw = F.pad(raw, (0, 0, 0, self.vocab_per_rank - n))
-            self.gguf = GGUFWeight([(src.type, raw)], src.cols)
+            self.gguf = GGUFWeight([(src.type, raw)], src.cols, pack=not self.lookup_only)
             param.data = torch.empty(0, dtype=param.dtype)
             return
         param.data[:n].copy_(read_narrow(src, 0, self.vocab_start, n))

@@ -5,6 +5,11 @@ srt_lite_cpu::gguf_linear (csrc/cpu_gguf_linear.cpp) takes integer dot products 
 activations up to DOT_ROWS rows and dequantized slabs through a matmul above. Without the
 C++ ops, slabs are dequantized in Python and go through F.linear.
 
+On CPUs with AVX512-VNNI, Q4_K, Q6_K and Q8_0 parts are repacked once at load, 16 rows
+interleaved (csrc/cpu_gguf_linear.cpp describes the layout): one int8 dot-product instruction
+then serves 16 outputs, which keeps decode at the memory's speed. The file's own blocks stay
+mapped for embedding lookups and checks; the packed copy is what the products read.
+
 `GGUFStaging` collects a layer's parts while the checkpoint loads (a fused q/k/v or
 gate/up projection has one per shard, possibly of different types) and decides at the end:
 all parts quantized -> a GGUFWeight replaces the float weight; otherwise the parts are
@@ -27,6 +32,17 @@ from srt_lite.model_loader.gguf_types import GGUFType, dequantize
 DOT_ROWS = 16
 # Output rows a Python-side slab dequantizes at once (no C++ ops): bounds the scratch copy.
 _SLAB_ROWS = 1024
+# The C++ ops' packed layouts: rows interleaved by PACK_ROWS, a packed part's type id is its
+# GGUF id + PACKED_ID.
+PACKED_TYPES = ("Q4_K", "Q6_K", "Q8_0")
+PACK_ROWS = 16
+PACKED_ID = 256
+
+
+def packs(t: GGUFType, rows: int) -> bool:
+    """Whether a part of `rows` rows of type t is repacked for the products on this CPU."""
+    return (t.name in PACKED_TYPES and rows % PACK_ROWS == 0 and cpu_kernels.load()
+            and cpu_caps.get().avx512_vnni)
 
 
 @functools.cache
@@ -38,14 +54,20 @@ def _mm_bf16() -> bool:
 
 
 class GGUFWeight:
-    """Parts uint8 [n_i, row_bytes_i] of GGUF types, outputs concatenated: [sum n_i, cols]."""
+    """Parts uint8 [n_i, row_bytes_i] of GGUF types, outputs concatenated: [sum n_i, cols].
+    pack: repack the parts the CPU has a packed kernel for (not for a lookup-only table)."""
 
-    def __init__(self, parts: list[tuple[GGUFType, torch.Tensor]], cols: int):
+    def __init__(self, parts: list[tuple[GGUFType, torch.Tensor]], cols: int, pack: bool = True):
         self.types = [t for t, _ in parts]
         self.raws = [raw for _, raw in parts]
-        self.ids = [t.id for t in self.types]
         self.cols = cols
         self.rows = sum(raw.shape[0] for raw in self.raws)
+        # What the products read: packed groups uint8 [n_i / 16, ...] where the CPU has them.
+        self.kernel_parts, self.kernel_ids = [], []
+        for t, raw in parts:
+            packed = pack and packs(t, raw.shape[0])
+            self.kernel_parts.append(torch.ops.srt_lite_cpu.gguf_repack(raw, t.id, cols) if packed else raw)
+            self.kernel_ids.append(t.id + PACKED_ID if packed else t.id)
 
     @property
     def format(self) -> str:
@@ -54,14 +76,15 @@ class GGUFWeight:
 
     @property
     def nbytes(self) -> int:
-        return sum(raw.shape[0] * t.row_bytes(self.cols) for t, raw in zip(self.types, self.raws))
+        """Bytes the products read (a packed part is its blocks plus unpacked scales)."""
+        return sum(part.numel() for part in self.kernel_parts)
 
     def forward(self, x: torch.Tensor, bias: torch.Tensor | None = None) -> torch.Tensor:
         """x [n, cols] -> [n, rows] in x's dtype."""
         if cpu_kernels.load() and x.device.type == "cpu":
             xin = x if x.dtype in (torch.float32, torch.bfloat16) else x.float()
             mm_bf16 = xin.dtype == torch.bfloat16 and _mm_bf16()
-            y = torch.ops.srt_lite_cpu.gguf_linear(xin, self.raws, self.ids, bias, DOT_ROWS, mm_bf16)
+            y = torch.ops.srt_lite_cpu.gguf_linear(xin, self.kernel_parts, self.kernel_ids, bias, DOT_ROWS, mm_bf16)
             return y.to(x.dtype)
         outs = []
         for t, raw in zip(self.types, self.raws):

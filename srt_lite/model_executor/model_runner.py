@@ -97,6 +97,8 @@ class ModelRunner:
             source, count = iter_checkpoint(cfg.path), count_checkpoint_tensors(cfg.path)
         self.model.load_weights(progress(source, count, "Loading weights", enabled=self.tp_rank == 0))
         self.model.eval()
+        if cfg.gguf_file is not None:
+            gguf.drop_resident_pages()
         self.weight_bytes = sum(p.numel() * p.element_size() for p in self.model.parameters())
         self.gguf_formats: dict[str, int] = {}  # weight format -> layers that keep GGUF blocks
         for m in self.model.modules():

@@ -139,6 +139,14 @@ class GGUFFile:
         """The file's header: version, metadata and tensor list (no tensor data)."""
         return bytes(self._buf[: self._header_end])
 
+    def drop_resident_pages(self) -> None:
+        """Drops the pages read so far from this process's memory (the page cache keeps them;
+        a later read maps them again): once a load has repacked the blocks it reads, those
+        copies are the resident weights, and counting the file's pages beside them would
+        double the process's memory."""
+        if hasattr(mmap, "MADV_DONTNEED"):
+            self._map.madvise(mmap.MADV_DONTNEED)
+
     def raw(self, name: str) -> torch.Tensor:
         """A tensor's bytes as uint8 [rows, row_bytes], a read-only view of the mapped file
         (a writer must copy it first)."""
