@@ -27,8 +27,10 @@ from srt_lite.server_args import ServerArgs
 
 
 def build_runner(args: argparse.Namespace) -> ModelRunner:
+    # A .gguf file is served from its own blocks (ModelConfig reads it); other names resolve.
+    gguf = args.model_path.endswith(".gguf")
     sargs = ServerArgs(
-        model_path=resolve_model_path(args.model_path),
+        model_path=args.model_path if gguf else resolve_model_path(args.model_path),
         dtype=args.dtype,
         quantization=args.quantization,
         max_total_tokens=args.max_total_tokens,
