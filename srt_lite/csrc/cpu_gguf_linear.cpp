@@ -22,6 +22,7 @@
 #include <torch/library.h>
 
 #include <algorithm>
+#include <atomic>
 #include <cmath>
 #include <cstdint>
 #include <cstring>
@@ -992,18 +993,29 @@ void dot_linear(const at::Tensor& x, const Parts& parts, float* y) {
     TORCH_CHECK(!is_packed(types[p]) || g_allow_vnni, "gguf_linear: packed weights need AVX512-VNNI");
     for (int64_t r0 = 0; r0 < parts.rows(p); r0 += kGroup) tasks.push_back({p, r0, std::min(kGroup, parts.rows(p) - r0)});
   }
-  at::parallel_for(0, static_cast<int64_t>(tasks.size()), 1, [&](int64_t begin, int64_t end) {
-    for (int64_t i = begin; i < end; ++i) {
-      const Task& t = tasks[i];
-      const int64_t type = types[t.p], n0 = parts.first[t.p] + t.r0;
-      if (is_packed(type)) {
-        packed_rows(type % kPacked, parts.data[t.p] + t.r0 / kGroup * parts.row_bytes[t.p], K, xq, M, y + n0, parts.N);
-        continue;
-      }
-      for (int64_t r = 0; r < t.rows; ++r) {
-        const uint8_t* row = parts.data[t.p] + (t.r0 + r) * parts.row_bytes[t.p];
-        for (int64_t m0 = 0; m0 < M; m0 += kRowTile) {
-          dot_rows(type, row, K, xq, m0, std::min(kRowTile, M - m0), y + n0 + r, parts.N);
+  // Threads claim runs of tasks as they go rather than an equal share each: on a CPU shared
+  // with the server's other processes (or a VM's neighbours), a thread that loses its core for
+  // a while delays only the run it holds, not the whole product. Which thread computes an
+  // output does not change its value.
+  const int64_t count = static_cast<int64_t>(tasks.size());
+  const int64_t threads = std::min<int64_t>(at::get_num_threads(), count);
+  const int64_t run = std::max<int64_t>(1, count / (8 * std::max<int64_t>(threads, 1)));
+  std::atomic<int64_t> next{0};
+  at::parallel_for(0, threads, 1, [&](int64_t, int64_t) {
+    for (int64_t begin = next.fetch_add(run); begin < count; begin = next.fetch_add(run)) {
+      for (int64_t i = begin; i < std::min(count, begin + run); ++i) {
+        const Task& t = tasks[i];
+        const int64_t type = types[t.p], n0 = parts.first[t.p] + t.r0;
+        if (is_packed(type)) {
+          packed_rows(type % kPacked, parts.data[t.p] + t.r0 / kGroup * parts.row_bytes[t.p], K, xq, M, y + n0,
+                      parts.N);
+          continue;
+        }
+        for (int64_t r = 0; r < t.rows; ++r) {
+          const uint8_t* row = parts.data[t.p] + (t.r0 + r) * parts.row_bytes[t.p];
+          for (int64_t m0 = 0; m0 < M; m0 += kRowTile) {
+            dot_rows(type, row, K, xq, m0, std::min(kRowTile, M - m0), y + n0 + r, parts.N);
+          }
         }
       }
     }
