@@ -26,7 +26,7 @@ from gguf.quants import dequantize as gguf_dequantize
 from gguf_files import RECIPES, write_model
 from model_harness import Harness
 from srt_lite.layers import cpu_kernels
-from srt_lite.layers.gguf_linear import DOT_ROWS, GGUFWeight
+from srt_lite.layers.gguf_linear import DOT_ROWS, PACK_ROWS, PACKED_ID, PACKED_TYPES, GGUFWeight
 from srt_lite.layers.linear import PackableLinear
 from srt_lite.model_config import ModelConfig
 from srt_lite.model_executor.model_runner import ModelRunner
@@ -36,6 +36,12 @@ from srt_lite.model_loader.gguf_reader import GGUFError, GGUFFile
 from srt_lite.server_args import ServerArgs
 
 pytestmark = pytest.mark.cpu_caps
+
+
+def _vnni() -> bool:
+    from srt_lite import cpu_caps
+
+    return cpu_caps.get().avx512_vnni
 
 
 @pytest.fixture(scope="module")
@@ -109,10 +115,45 @@ def test_dot_products_equal_int8_activations_exactly(name):
     assert ((got - want).norm() / want.norm()).item() < 1e-5
 
 
-def _vnni() -> bool:
-    from srt_lite import cpu_caps
+@pytest.mark.skipif(not cpu_kernels.load(), reason="the C++ ops do not build here")
+@pytest.mark.parametrize("name", PACKED_TYPES)
+def test_packed_groups_keep_every_bit(name):
+    """A repacked weight (16 rows interleaved) unpacks to the file's blocks exactly: its
+    dequantization equals the blocks' bit for bit (the slab path reads it that way)."""
+    t = gguf_types.BY_NAME[name]
+    k = 512
+    raw = gguf_types.random_blocks(t, 48, k, torch.Generator().manual_seed(7))
+    packed = torch.ops.srt_lite_cpu.gguf_repack(raw, t.id, k)
+    assert packed.shape[0] == 48 // PACK_ROWS
+    assert torch.equal(torch.ops.srt_lite_cpu.gguf_dequantize(packed, t.id + PACKED_ID, k),
+                       torch.ops.srt_lite_cpu.gguf_dequantize(raw, t.id, k))
+    with pytest.raises(RuntimeError, match="multiple of 16"):
+        torch.ops.srt_lite_cpu.gguf_repack(raw[:40], t.id, k)
 
-    return cpu_caps.get().avx512_vnni
+
+@pytest.mark.skipif(not cpu_kernels.load() or not _vnni(), reason="packed products need AVX512-VNNI")
+@pytest.mark.parametrize("name", PACKED_TYPES)
+def test_packed_products_equal_int8_activations(name):
+    """The packed products compute what the file's blocks do: an exact float64 emulation of
+    the int8 activations within float32 rounding, every row count up to DOT_ROWS, each row's
+    result the same alone as in its batch (bit for bit), beside an unpacked part."""
+    t = gguf_types.BY_NAME[name]
+    g = torch.Generator().manual_seed(8)
+    k = 512
+    raw = gguf_types.random_blocks(t, 48, k, g)
+    weight = GGUFWeight([(t, raw[:32]), (t, raw[32:40])], k)
+    assert weight.kernel_ids == [t.id + PACKED_ID, t.id]  # 8 rows are not a packed group
+    block = 256 if t.unit == 256 else 32
+    for rows in (1, 3, 4, 5, DOT_ROWS):
+        x = torch.randn(rows, k, generator=g)
+        xb = x.view(rows, k // block, block).double()
+        d = xb.abs().amax(-1, keepdim=True) / 127
+        xq = (torch.round(xb / torch.where(d > 0, d, torch.ones_like(d))) * d).view(rows, k)
+        want = xq @ gguf_types.dequantize(raw[:40], t, k).double().t()
+        got = weight.forward(x).double()
+        assert ((got - want).norm() / want.norm()).item() < 1e-5, rows
+        for r in range(rows):
+            assert torch.equal(weight.forward(x[r : r + 1])[0], weight.forward(x)[r])
 
 
 def test_without_the_cpp_ops_slabs_go_through_f_linear(monkeypatch):
