@@ -28,7 +28,7 @@ from srt_lite.server_args import ServerArgs
 
 def build_runner(args: argparse.Namespace) -> ModelRunner:
     # A .gguf file is served from its own blocks (ModelConfig reads it); other names resolve.
-    gguf = args.model_path.endswith(".gguf")
+    gguf = (args.model_path or "").endswith(".gguf")
     sargs = ServerArgs(
         model_path=args.model_path if gguf else resolve_model_path(args.model_path),
         dtype=args.dtype,
