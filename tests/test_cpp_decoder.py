@@ -116,6 +116,25 @@ def test_default_model_int4_and_panels_equal_the_python_layers(default_model_dir
         assert stack_calls[-2:] == [rows] * 2
 
 
+@pytest.mark.cpu_caps
+@pytest.mark.parametrize("recipe, arch", [("Q4_K_M", "llama"), ("Q8_0", "qwen2")])
+def test_gguf_blocks_equal_the_python_layers(recipe, arch, tmp_path, stack_calls):
+    """A GGUF file served from its blocks (packed groups where the CPU has them, a Q4_K + Q6_K
+    q/k/v, biases on Qwen2): decode steps of 1, 5 and 40 rows through the stack give the
+    Python layers' logits bit for bit."""
+    from gguf_files import write_model
+
+    path = write_model(str(tmp_path / f"{arch}-{recipe}.gguf"), recipe, arch, heads=4, kv_heads=2, tied=False)
+    runner = _runner(path, "bfloat16", model_path=path)
+    assert runner.gguf_formats and runner.model.model.cpp_stack is not None
+    for rows in (1, 5, 40):
+        prompts = [[(11 * r + j) % 300 + 3 for j in range(6 + r % 5)] for r in range(rows)]
+        stack_calls.clear()
+        got, want = run_both(runner, prompts, steps=2)
+        assert all(torch.equal(a, b) for a, b in zip(got, want)), rows
+        assert stack_calls[-2:] == [rows] * 2
+
+
 def test_models_and_settings_it_does_not_cover_keep_the_python_layers(tmp_path, monkeypatch):
     """q/k norms (Qwen3) and torch.compile have no stack, nor does a process that turns it off;
     dropping a model releases its stack's tensors."""

@@ -32,6 +32,7 @@ enum Kind : int64_t {
   kBf16Kernel = 6,  // srt_lite_cpu::bf16_linear
   kTorch = 7,       // at::linear
   kInt4Panels = 8,  // srt_lite_cpu::int4_panel_linear
+  kGguf = 9,        // srt_lite_cpu::gguf_linear_registered (n: the registered weight's key)
 };
 // Row-count classes a linear may choose differently for: up to bounds[0] rows, up to
 // bounds[1], and more (layers/linear.py: cpp_row_bounds).
@@ -116,6 +117,11 @@ at::Tensor product(const Linear& l, const Choice& c, const at::Tensor& x) {
     }
     case kTorch:
       return at::linear(x, c.a, bias);
+    case kGguf: {
+      static const auto f = op<at::Tensor(const at::Tensor&, int64_t, const std::optional<at::Tensor>&)>(
+          "srt_lite_cpu::gguf_linear_registered");
+      return f.call(x, c.n, bias);
+    }
     default:
       TORCH_CHECK(false, "decoder stack: no product for ", x.size(0), " rows");
   }
@@ -164,7 +170,7 @@ int64_t register_decoder_stack(const c10::List<std::optional<at::Tensor>>& tenso
         auto a = next(), b = next();
         c.kind = kinds[k++];
         c.n = kinds[k++];
-        TORCH_CHECK(c.kind >= kInt4 && c.kind <= kInt4Panels && a, "decoder stack: unknown product ", c.kind);
+        TORCH_CHECK(c.kind >= kInt4 && c.kind <= kGguf && a, "decoder stack: unknown product ", c.kind);
         TORCH_CHECK((c.kind != kInt4 && c.kind != kAmxInt4 && c.kind != kInt4Panels) || b, "decoder stack: a 4-bit product without its scales");
         c.a = *a;
         if (b) c.b = *b;

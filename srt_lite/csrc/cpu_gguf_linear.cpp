@@ -23,6 +23,8 @@
 
 #include <algorithm>
 #include <atomic>
+#include <memory>
+#include <mutex>
 #include <cmath>
 #include <cstdint>
 #include <cstring>
@@ -1119,12 +1121,59 @@ at::Tensor gguf_repack(const at::Tensor& weight, int64_t type, int64_t K) {
   return out;
 }
 
+// Weights registered for the C++ decoder stack (csrc/cpu_decoder.cpp), which names a product
+// by one integer: a GGUFWeight's parts and type ids, and whether a bf16 x may take a bf16
+// matmul above dot_rows. A key stays valid until released (the GGUFWeight's finalizer).
+struct Registered {
+  std::vector<at::Tensor> parts;
+  std::vector<int64_t> types;
+  int64_t dot_rows;
+  bool mm_bf16;
+};
+std::mutex g_registered_mutex;
+std::vector<std::shared_ptr<const Registered>> g_registered;
+
+int64_t register_gguf_weight(at::TensorList parts, at::IntArrayRef types, int64_t dot_rows, bool mm_bf16) {
+  auto r = std::make_shared<Registered>();
+  r->parts.assign(parts.begin(), parts.end());
+  r->types.assign(types.begin(), types.end());
+  r->dot_rows = dot_rows;
+  r->mm_bf16 = mm_bf16;
+  std::lock_guard<std::mutex> lock(g_registered_mutex);
+  g_registered.push_back(std::move(r));
+  return static_cast<int64_t>(g_registered.size()) - 1;
+}
+
+void release_gguf_weight(int64_t key) {
+  std::lock_guard<std::mutex> lock(g_registered_mutex);
+  if (key >= 0 && key < static_cast<int64_t>(g_registered.size())) g_registered[key].reset();
+}
+
+// GGUFWeight.forward of a registered weight: x in fp32 or bf16 as is, other dtypes in fp32.
+at::Tensor gguf_linear_registered(const at::Tensor& x, int64_t key, const std::optional<at::Tensor>& bias) {
+  std::shared_ptr<const Registered> r;
+  {
+    std::lock_guard<std::mutex> lock(g_registered_mutex);
+    TORCH_CHECK(key >= 0 && key < static_cast<int64_t>(g_registered.size()) && g_registered[key],
+                "gguf_linear_registered: no weight ", key);
+    r = g_registered[key];
+  }
+  const bool direct = x.scalar_type() == at::kFloat || x.scalar_type() == at::kBFloat16;
+  const at::Tensor xin = direct ? x : x.to(at::kFloat);
+  const bool mm_bf16 = xin.scalar_type() == at::kBFloat16 && r->mm_bf16;
+  at::Tensor y = gguf_linear(xin, r->parts, r->types, bias, r->dot_rows, mm_bf16);
+  return direct ? y : y.to(x.scalar_type());
+}
+
 }  // namespace
 
 TORCH_LIBRARY_FRAGMENT(srt_lite_cpu, m) {
   m.def("gguf_linear(Tensor x, Tensor[] weights, int[] types, Tensor? bias, int dot_rows, bool mm_bf16) -> Tensor");
   m.def("gguf_dequantize(Tensor weight, int type, int K) -> Tensor");
   m.def("gguf_repack(Tensor weight, int type, int K) -> Tensor");
+  m.def("register_gguf_weight(Tensor[] parts, int[] types, int dot_rows, bool mm_bf16) -> int");
+  m.def("release_gguf_weight(int key) -> ()");
+  m.def("gguf_linear_registered(Tensor x, int key, Tensor? bias) -> Tensor");
   m.def("gguf_allow_vnni(bool allow) -> ()");
 }
 
@@ -1132,6 +1181,11 @@ TORCH_LIBRARY_IMPL(srt_lite_cpu, CPU, m) {
   m.impl("gguf_linear", &gguf_linear);
   m.impl("gguf_dequantize", &gguf_dequantize);
   m.impl("gguf_repack", &gguf_repack);
+  m.impl("gguf_linear_registered", &gguf_linear_registered);
 }
 
-TORCH_LIBRARY_IMPL(srt_lite_cpu, CompositeExplicitAutograd, m) { m.impl("gguf_allow_vnni", &gguf_allow_vnni); }
+TORCH_LIBRARY_IMPL(srt_lite_cpu, CompositeExplicitAutograd, m) {
+  m.impl("gguf_allow_vnni", &gguf_allow_vnni);
+  m.impl("register_gguf_weight", &register_gguf_weight);
+  m.impl("release_gguf_weight", &release_gguf_weight);
+}

@@ -19,6 +19,7 @@ dequantized into it.
 from __future__ import annotations
 
 import functools
+import weakref
 
 import torch
 import torch.nn.functional as F
@@ -68,6 +69,16 @@ class GGUFWeight:
             packed = pack and packs(t, raw.shape[0])
             self.kernel_parts.append(torch.ops.srt_lite_cpu.gguf_repack(raw, t.id, cols) if packed else raw)
             self.kernel_ids.append(t.id + PACKED_ID if packed else t.id)
+        self._cpp_key: int | None = None
+
+    def cpp_key(self) -> int:
+        """This weight's key for the C++ decoder stack (srt_lite_cpu::gguf_linear_registered,
+        the same product as forward), registered once and released with the weight."""
+        if self._cpp_key is None:
+            self._cpp_key = torch.ops.srt_lite_cpu.register_gguf_weight(self.kernel_parts, self.kernel_ids, DOT_ROWS,
+                                                                        _mm_bf16())
+            weakref.finalize(self, torch.ops.srt_lite_cpu.release_gguf_weight, self._cpp_key)
+        return self._cpp_key
 
     @property
     def format(self) -> str:

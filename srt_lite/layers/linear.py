@@ -364,10 +364,10 @@ class PackableLinear(nn.Module):
     def cpp_choice(self, rows: int) -> tuple[int, torch.Tensor, torch.Tensor | None, int] | None:
         """The product matmul() runs for `rows` rows (no traced graph), as the C++ decoder
         stack takes it: (kind, weight, its scales or None, n); None where it has no C++ form
-        (the oneDNN-packed weight, GGUF blocks). Keep in step with matmul: tests/test_cpp_decoder.py
+        (the oneDNN-packed weight). Keep in step with matmul: tests/test_cpp_decoder.py
         checks the stack against the Python layers at each row class."""
-        if self.gguf is not None:
-            return None
+        if self.gguf is not None:  # GGUFWeight.forward through its registered parts
+            return CPP_GGUF, self.gguf.kernel_parts[0], None, self.gguf.cpp_key()
         if self.int4 is not None and rows <= INT4_ROWS:
             return CPP_INT4, self.int4[0], self.int4[1], 0
         if self.int4_panels is not None and rows <= int4_panel_rows():
@@ -386,7 +386,7 @@ class PackableLinear(nn.Module):
 
 # The products of srt_lite_cpu::decoder_layers (enum Kind in csrc/cpu_decoder.cpp).
 (CPP_INT4, CPP_AMX_INT4, CPP_PANELS, CPP_AMX_PANELS, CPP_F32_PANELS, CPP_BF16_KERNEL, CPP_TORCH,
- CPP_INT4_PANELS) = range(1, 9)
+ CPP_INT4_PANELS, CPP_GGUF) = range(1, 10)
 
 
 def cpp_row_bounds() -> tuple[int, int]:

@@ -6,7 +6,8 @@ Eager, each layer costs a dozen Python calls around the C++ ops that do its work
 rows a step that Python is a large share of the step. The C++ loop calls the same ops in the
 same order, so its output equals the Python layers' bit for bit. Other steps (prompts,
 mixed batches) and models the loop does not cover (tensor parallelism, q/k norms, partial
-RoPE, oneDNN-packed weights) keep the Python layers.
+RoPE, oneDNN-packed weights) keep the Python layers. GGUF weights kept in their blocks take
+part through a key (GGUFWeight.cpp_key) to the same product as their Python forward.
 """
 
 from __future__ import annotations
