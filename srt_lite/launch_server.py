@@ -111,6 +111,8 @@ def banner(server_args: ServerArgs, served_name: str, model_dir: str, info) -> s
         f"  compute      linears: {info.linear_path}; CPU {info.cpu}",
         *([f"  weights      GGUF blocks: {_formats(info.gguf_formats)} ({info.weight_bytes / 2**20:.0f} MiB held)"]
           if info.gguf_formats else []),
+        *([f"  deterministic  {'yes: batch-invariant' if info.deterministic else 'asked for, not here: ' + '; '.join(info.deterministic_gaps)}"]
+          if server_args.enable_deterministic_inference else []),
         f"  KV cache     {info.max_total_num_tokens} tokens",
         f"  max context  {info.max_context_len} tokens",
         f"  URL          {url}  (OpenAI API: {url}/v1)",

@@ -190,6 +190,18 @@ class ServerArgs:
         "Runtime",
     )
     random_seed: int = _arg(0, "Seed for the sampler's global generator.", "Runtime")
+    enable_deterministic_inference: bool = _arg(
+        False,
+        "Batch-invariant inference: a request's tokens and logprobs depend only on the model, its "
+        "weight format, dtype, tensor-parallel size and the request, not on the other requests in "
+        "the batch, prompt chunking or the radix cache. Each layer keeps one product for every row "
+        "count and attention runs every row in the same kernel; sampled requests without a seed "
+        "take --sampling-seed. The banner and /server_info say what it could not cover here.",
+        "Runtime",
+    )
+    sampling_seed: int = _arg(
+        42, "With --enable-deterministic-inference, the seed of sampled requests that give none.", "Runtime"
+    )
     # Multi-node
     nnodes: int = _arg(
         1,

@@ -265,6 +265,11 @@ at::Tensor bf16_gemv(const at::Tensor& x, const at::Tensor& weight) {
 // output's fp32 lane: no horizontal sums, and each weight vector serves every x row of a tile.
 constexpr int64_t kPanelRows = 64;
 
+// Set by srt_lite_cpu::set_batch_invariant: every row of a product then sums k in the same
+// order, whatever the row count (layers/batch_invariant.py).
+bool g_batch_invariant = false;
+void set_batch_invariant(bool on) { g_batch_invariant = on; }
+
 #ifdef SRT_LITE_HAVE_BF16_DOT
 // acc[m][b] += x[m] . w's 16-output vector b over k pairs [0, kp), for MR x rows (ldx
 // elements apart) and NB vectors of the panel starting at `w` (one k pair is 64 x 2 bf16).
@@ -331,8 +336,19 @@ void panel_step(const PanelArgs& a, int64_t m0, int64_t panel, int64_t b0, int64
   for (int m = 0; m < MR; ++m) {
     for (int b = 0; b < NB; ++b) acc[m][b] = k0 == 0 ? _mm512_setzero_ps() : _mm512_loadu_ps(partial + m * kPanelRows + b * 16);
   }
-  panel_tile<MR, NB, MR == 1 ? 2 : 1>(a.x + m0 * a.K + 2 * k0, a.K, a.w + (panel * a.kp + k0) * 2 * kPanelRows + b0 * 32,
-                                      k1 - k0, acc);
+  const uint16_t* x = a.x + m0 * a.K + 2 * k0;
+  const uint16_t* w = a.w + (panel * a.kp + k0) * 2 * kPanelRows + b0 * 32;
+  if constexpr (MR == 1) {
+    // Two chains per vector hide the dot product's latency for one row, but sum k in
+    // another order than a row inside a tile: batch-invariant runs keep one chain.
+    if (!g_batch_invariant) {
+      panel_tile<MR, NB, 2>(x, a.K, w, k1 - k0, acc);
+    } else {
+      panel_tile<MR, NB, 1>(x, a.K, w, k1 - k0, acc);
+    }
+  } else {
+    panel_tile<MR, NB, 1>(x, a.K, w, k1 - k0, acc);
+  }
   if (k1 < a.kp) {
     for (int m = 0; m < MR; ++m) {
       for (int b = 0; b < NB; ++b) _mm512_storeu_ps(partial + m * kPanelRows + b * 16, acc[m][b]);
@@ -606,6 +622,7 @@ TORCH_LIBRARY_FRAGMENT(srt_lite_cpu, m) {
   m.def("bf16_gemv_supported() -> bool");
   m.def("panel_linear(Tensor x, Tensor weight, Tensor? bias, int N) -> Tensor");
   m.def("f32_panel_linear(Tensor x, Tensor weight, Tensor? bias, int N) -> Tensor");
+  m.def("set_batch_invariant(bool on) -> ()");
 }
 
 TORCH_LIBRARY_IMPL(srt_lite_cpu, CPU, m) {
@@ -617,4 +634,5 @@ TORCH_LIBRARY_IMPL(srt_lite_cpu, CPU, m) {
 
 TORCH_LIBRARY_IMPL(srt_lite_cpu, CompositeExplicitAutograd, m) {
   m.impl("bf16_gemv_supported", &bf16_dot_supported);
+  m.impl("set_batch_invariant", &set_batch_invariant);
 }

@@ -7,7 +7,7 @@ import torch.nn.functional as F
 from torch import nn
 
 from srt_lite.distributed import get_tp_rank, get_tp_size, tp_all_gather, tp_all_reduce
-from srt_lite.layers import cpu_kernels
+from srt_lite.layers import batch_invariant, cpu_kernels
 from srt_lite.layers.gguf_linear import GGUFWeight
 from srt_lite.layers.linear import (
     amx_panels_ok, bf16_gemv_available, bf16_kernel_linear, pack_panels, pack_weight, packed_linear, panel_linear,
@@ -83,7 +83,7 @@ class VocabParallelEmbedding(nn.Module):
         self.packed_weight = pack_weight(self.weight.data)
         # The plain weight stays for the lookup, and one token's logits read it faster in
         # srt_lite_cpu::bf16_gemv than oneDNN's GEMV reads the packed copy.
-        self.gemv = bf16_gemv_available()
+        self.gemv = bf16_gemv_available() and not batch_invariant.enabled()  # one product for all rows
 
     def use_panels(self, wide: bool = False) -> None:
         """PATH_PANELS / PATH_F32_PANELS / PATH_WIDE_PANELS (`wide`): the LM head in

@@ -25,7 +25,7 @@ import torch
 import torch.nn.functional as F
 
 from srt_lite import cpu_caps
-from srt_lite.layers import cpu_kernels
+from srt_lite.layers import batch_invariant, cpu_kernels
 from srt_lite.model_loader.gguf_types import GGUFType, dequantize
 
 # Rows up to which the integer dot products run; above, dequantized slabs and a matmul,
@@ -38,6 +38,12 @@ _SLAB_ROWS = 1024
 PACKED_TYPES = ("Q4_K", "Q6_K", "Q8_0")
 PACK_ROWS = 16
 PACKED_ID = 256
+
+
+def dot_rows() -> int:
+    """Rows up to which the integer dot products run: every row count when batch-invariant
+    (the slabs' matmul rounds otherwise than the int8 products, and by its own blocking)."""
+    return batch_invariant.ALL_ROWS if batch_invariant.enabled() else DOT_ROWS
 
 
 def packs(t: GGUFType, rows: int) -> bool:
@@ -75,7 +81,7 @@ class GGUFWeight:
         """This weight's key for the C++ decoder stack (srt_lite_cpu::gguf_linear_registered,
         the same product as forward), registered once and released with the weight."""
         if self._cpp_key is None:
-            self._cpp_key = torch.ops.srt_lite_cpu.register_gguf_weight(self.kernel_parts, self.kernel_ids, DOT_ROWS,
+            self._cpp_key = torch.ops.srt_lite_cpu.register_gguf_weight(self.kernel_parts, self.kernel_ids, dot_rows(),
                                                                         _mm_bf16())
             weakref.finalize(self, torch.ops.srt_lite_cpu.release_gguf_weight, self._cpp_key)
         return self._cpp_key
@@ -95,7 +101,7 @@ class GGUFWeight:
         if cpu_kernels.load() and x.device.type == "cpu":
             xin = x if x.dtype in (torch.float32, torch.bfloat16) else x.float()
             mm_bf16 = xin.dtype == torch.bfloat16 and _mm_bf16()
-            y = torch.ops.srt_lite_cpu.gguf_linear(xin, self.kernel_parts, self.kernel_ids, bias, DOT_ROWS, mm_bf16)
+            y = torch.ops.srt_lite_cpu.gguf_linear(xin, self.kernel_parts, self.kernel_ids, bias, dot_rows(), mm_bf16)
             return y.to(x.dtype)
         outs = []
         for t, raw in zip(self.types, self.raws):

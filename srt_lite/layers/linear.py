@@ -17,7 +17,7 @@ from torch import nn
 
 from srt_lite import cpu_caps
 from srt_lite.distributed import get_tp_rank, get_tp_size, tp_all_reduce
-from srt_lite.layers import cpu_kernels
+from srt_lite.layers import batch_invariant, cpu_kernels
 from srt_lite.layers.gguf_linear import GGUFStaging, GGUFWeight
 from srt_lite.model_loader.gguf_model import QuantSource
 from srt_lite.model_loader.weight_utils import TensorSource, read_narrow
@@ -110,9 +110,15 @@ def cpu_linear_path(dtype: torch.dtype, disable_packing: bool = False, caps: cpu
     return PATH_PACKED if caps.onednn_bf16 else PATH_TORCH
 
 
+def bf16_kernel_rows() -> int:
+    """Rows up to which bf16_linear streams the weight; batch-invariant: every row count (the
+    widened matmul above rounds by its own blocking)."""
+    return batch_invariant.ALL_ROWS if batch_invariant.enabled() else BF16_KERNEL_ROWS
+
+
 def bf16_kernel_linear(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None) -> torch.Tensor:
     """x [n, in] -> [n, out] with bf16 weight [out, in], fp32 accumulation (PATH_BF16_KERNEL)."""
-    return torch.ops.srt_lite_cpu.bf16_linear(x, weight, bias, BF16_KERNEL_ROWS)
+    return torch.ops.srt_lite_cpu.bf16_linear(x, weight, bias, bf16_kernel_rows())
 
 
 @functools.cache
@@ -198,10 +204,18 @@ AMX_INT4_ROWS = 32
 DOT_INT4_ROWS = 8
 
 
-@functools.cache
+def int4_rows() -> int:
+    """Rows up to which torch's int4 matmul runs; none when batch-invariant (a layer then
+    keeps one product for every row count)."""
+    return 0 if batch_invariant.enabled() else INT4_ROWS
+
+
 def int4_panel_rows() -> int:
     """This process's bound for the 4-bit panels: a 4-bit linear's K is whole groups of 32,
-    so its panels go through AMX tiles wherever the tiles run (amx_panels_ok)."""
+    so its panels go through AMX tiles wherever the tiles run (amx_panels_ok). Batch-invariant:
+    every row count, so that the layer's weights are the same 4 bits at any batch size."""
+    if batch_invariant.enabled():
+        return batch_invariant.ALL_ROWS
     return AMX_INT4_ROWS if amx_panels_built() else DOT_INT4_ROWS
 
 
@@ -314,9 +328,14 @@ class PackableLinear(nn.Module):
         [N, K/32]) for products of at most INT4_ROWS rows: a decode step at one stream reads
         a quarter of the bytes; and where the weight is in bf16 panels, 4-bit panels for
         products of up to int4_panel_rows() rows (batched decode). The full-precision weight
-        stays for larger products."""
-        self.int4 = int4_pack(codes, scale, zero, self.weight.dtype)
-        if self.panels is not None and self.panels.shape[3] == 2:
+        stays for larger products. Batch-invariant, a layer keeps one product: the 4-bit panels
+        for every row count where it has bf16 panels, else its full-precision weight alone."""
+        bf16_panels = self.panels is not None and self.panels.shape[3] == 2
+        if batch_invariant.enabled() and not bf16_panels:
+            return
+        if not batch_invariant.enabled():
+            self.int4 = int4_pack(codes, scale, zero, self.weight.dtype)
+        if bf16_panels:
             self.int4_panels = pack_int4_panels(codes, scale, zero)
 
     def pack_for_cpu(self) -> None:
@@ -340,7 +359,7 @@ class PackableLinear(nn.Module):
         if self.gguf is not None:
             return self.gguf.forward(x, bias)
         rows = x.shape[0]
-        if self.int4 is not None and isinstance(rows, int) and rows <= INT4_ROWS:
+        if self.int4 is not None and isinstance(rows, int) and rows <= int4_rows():
             y = int4_linear(x, *self.int4)
             return y if bias is None else y + bias
         if self.int4_panels is not None and isinstance(rows, int) and rows <= int4_panel_rows():
@@ -368,7 +387,7 @@ class PackableLinear(nn.Module):
         checks the stack against the Python layers at each row class."""
         if self.gguf is not None:  # GGUFWeight.forward through its registered parts
             return CPP_GGUF, self.gguf.kernel_parts[0], None, self.gguf.cpp_key()
-        if self.int4 is not None and rows <= INT4_ROWS:
+        if self.int4 is not None and rows <= int4_rows():
             return CPP_INT4, self.int4[0], self.int4[1], 0
         if self.int4_panels is not None and rows <= int4_panel_rows():
             kind = CPP_AMX_INT4 if self.panels_amx else CPP_INT4_PANELS
@@ -378,7 +397,7 @@ class PackableLinear(nn.Module):
                 return CPP_F32_PANELS, self.panels, None, self.out_features
             return (CPP_AMX_PANELS if self.panels_amx else CPP_PANELS), self.panels, None, self.out_features
         if self.bf16_kernel:
-            return CPP_BF16_KERNEL, self.weight, None, BF16_KERNEL_ROWS
+            return CPP_BF16_KERNEL, self.weight, None, bf16_kernel_rows()
         if self.packed_weight is None:
             return CPP_TORCH, self.weight, None, 0
         return None
@@ -392,7 +411,7 @@ class PackableLinear(nn.Module):
 def cpp_row_bounds() -> tuple[int, int]:
     """Row counts at which matmul's choice can change: the C++ stack holds one choice per
     class (up to the first bound, up to the second, more)."""
-    return INT4_ROWS, int4_panel_rows()
+    return int4_rows(), min(int4_panel_rows(), 1 << 20)
 
 
 # Every packed linear of the process, by packed_key; weak, so a dropped model is freed.

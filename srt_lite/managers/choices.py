@@ -27,15 +27,18 @@ class Choice:
 
 
 def split_choices(
-    prompts: Sequence[list[int]], params: Sequence[SamplingParams], rids: Sequence[str | None] | None = None
+    prompts: Sequence[list[int]], params: Sequence[SamplingParams], rids: Sequence[str | None] | None = None,
+    default_seed: int | None = None,
 ) -> list[Choice]:
     """Prompt j's `params[j].n` choices, prompt after prompt. With a seed, choice i of a prompt
-    samples with seed + i, so the choices differ and each is reproducible. `rids` names each
+    samples with seed + i, so the choices differ and each is reproducible; a prompt without
+    one takes `default_seed` when given (deterministic inference). `rids` names each
     choice (one entry per choice, not per prompt); None lets the manager pick ids."""
     choices = []
     for ids, p in zip(prompts, params, strict=True):
+        seed = default_seed if p.seed is None else p.seed
         for i in range(p.n):
-            one = dataclasses.replace(p, n=1, seed=None if p.seed is None else p.seed + i)
+            one = dataclasses.replace(p, n=1, seed=None if seed is None else seed + i)
             choices.append(Choice(ids, one, None))
     if rids is not None:
         if len(rids) != len(choices):

@@ -140,6 +140,10 @@ class SchedulerReady:
     # fused projection of both); empty when every weight is a float tensor.
     gguf_formats: dict[str, int] = field(default_factory=dict)
     weight_bytes: int = 0  # bytes of weights held, quantized blocks included
+    # --enable-deterministic-inference: whether outputs are batch-invariant here, and if
+    # asked for but not, what keeps them from it (layers/batch_invariant.gaps).
+    deterministic: bool = False
+    deterministic_gaps: list[str] = field(default_factory=list)
 
 
 _REGISTRY: dict[str, type] = {

@@ -127,6 +127,8 @@ class Scheduler:
             cpu=cpu_caps.get().describe(),
             gguf_formats=runner.gguf_formats,
             weight_bytes=runner.weight_bytes,
+            deterministic=runner.deterministic,
+            deterministic_gaps=runner.deterministic_gaps,
         )
 
     # ---- the loop ------------------------------------------------------------------------

@@ -77,6 +77,12 @@ class TokenizerManager:
     # ---- state the serving layer reads ---------------------------------------------------
 
     @property
+    def default_seed(self) -> int | None:
+        """The seed of sampled requests that give none: deterministic inference samples them
+        reproducibly too (as SGLang's sampling_seed), else None."""
+        return self.server_args.sampling_seed if self.server_args.enable_deterministic_inference else None
+
+    @property
     def started(self) -> bool:
         """Whether the sockets exist (they are made on first use, in the loop that uses them)."""
         return self._started
@@ -188,6 +194,8 @@ class TokenizerManager:
         """Yields output dicts: for a stream, one per arriving delta (`text` and `output_ids`
         hold the new part only); otherwise one dict with the whole result. Closing the
         generator early aborts the request."""
+        if params.seed is None and self.default_seed is not None:
+            params = dataclasses.replace(params, seed=self.default_seed)
         state = self._admit(input_ids, params, rid, logprobs, internal)
         msg = TokenizedGenerateReqInput(
             state.rid, input_ids, params.to_dict(), stream,
@@ -259,7 +267,7 @@ class TokenizerManager:
         await asyncio.gather(*(self._prefill(ids, p) for ids, p in zip(prompts, params) if p.n > 1))
         gens = [
             self.generate(c.input_ids, c.params, stream=stream, rid=c.rid, logprobs=logprobs, reasoning=reasoning)
-            for c in split_choices(prompts, params, rids)
+            for c in split_choices(prompts, params, rids, self.default_seed)
         ]
         merged = merge_streams(gens)
         try:

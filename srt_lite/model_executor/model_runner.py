@@ -11,7 +11,7 @@ import torch.nn.functional as F
 from srt_lite import cpu_caps
 from srt_lite.distributed import get_tp_rank, get_tp_size
 from srt_lite.distributed.parallel_state import tp_min
-from srt_lite.layers import cpu_kernels
+from srt_lite.layers import batch_invariant, cpu_kernels
 from srt_lite.layers.attention import create_attention_backend
 from srt_lite.layers.linear import (
     EXACT_ROWS,
@@ -60,11 +60,22 @@ class ModelRunner:
         self.tp_rank, self.tp_size = get_tp_rank(), get_tp_size()
         self.dtype = agree_dtype(resolve_dtype(server_args.dtype, self.device, model_config.approx_num_params()))
         model_config.verify_tp(self.tp_size)
+        if server_args.enable_deterministic_inference:
+            batch_invariant.enable()  # before loading: the layers read it as they pack
         self.load_model()
         self.init_memory_pool()
         self.attn_backend = create_attention_backend(
             server_args.attention_backend, self.device, model_runner=self
         )
+        self.deterministic_gaps: list[str] = []
+        if server_args.enable_deterministic_inference:
+            head_dims = {m.head_dim for m in self.model.modules() if isinstance(m, RadixAttention)}
+            self.deterministic_gaps = batch_invariant.gaps(
+                self.device, self.dtype, self.linear_path, head_dims, self.tp_size, server_args.enable_torch_compile)
+            if self.deterministic_gaps and self.tp_rank == 0:
+                logger.warning("Deterministic inference asked for, not batch-invariant here: %s",
+                               "; ".join(self.deterministic_gaps))
+        self.deterministic = server_args.enable_deterministic_inference and not self.deterministic_gaps
         self.compiled_body = None
         if server_args.enable_torch_compile:
             self.init_torch_compile()

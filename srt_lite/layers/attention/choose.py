@@ -132,7 +132,7 @@ def prompt_rows_in_flash(dtype: torch.dtype, amx: bool) -> bool:
 
 def choose_plan(
     ext: list[int], prefix: list[int], shared_prefix: Callable[[list[int]], int], cpp: bool,
-    flash_rows: bool = False,
+    flash_rows: bool = False, invariant: bool = False,
 ) -> list[GroupChoice]:
     """The step's groups and the plan of each, for rows with `ext` new tokens after `prefix`
     tokens of KV. shared_prefix(rows): how many KV slots those rows (ascending, at least
@@ -140,8 +140,13 @@ def choose_plan(
     run (cpp_cascade_ok): the cascade op then takes a token cascade that is the step's only
     group and the short rows beside other groups, the prompt op every group of prompts.
     flash_rows (prompt_rows_in_flash): chunks after a cached prefix and prompts of at least
-    FLASH_ROW_MIN_Q tokens instead take torch's flash kernel, one group per row."""
+    FLASH_ROW_MIN_Q tokens instead take torch's flash kernel, one group per row.
+    invariant (batch-invariant inference, with cpp): every row in the C++ prompt op, whose
+    result for a query depends only on the query and its keys, not on the other rows, the
+    cascade's split of the keys or how the prompt was chunked."""
     B = len(ext)
+    if invariant and cpp:
+        return [GroupChoice(list(range(B)), PlanKind.CPP_PROMPT, 0)]
 
     def choose(rows: list[int], cpp_: bool, cascade_only: bool = False) -> GroupChoice | None:
         e, p = [ext[b] for b in rows], [prefix[b] for b in rows]

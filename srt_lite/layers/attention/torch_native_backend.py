@@ -15,7 +15,7 @@ from typing import TYPE_CHECKING
 import torch
 
 from srt_lite import cpu_caps
-from srt_lite.layers import cpu_kernels
+from srt_lite.layers import batch_invariant, cpu_kernels
 from srt_lite.layers.attention.base import AttentionBackend
 from srt_lite.layers.attention.build import RowSlots, build_step
 from srt_lite.layers.attention.choose import choose_plan, cpp_cascade_ok, prompt_rows_in_flash
@@ -51,7 +51,7 @@ class TorchNativeAttnBackend(AttentionBackend):
         choices = choose_plan(
             fb.extend_seq_lens_cpu, fb.extend_prefix_lens_cpu, slots.shared_prefix,
             cpp=cpp_cascade_ok(self.cpu_kernels, pool.dtype, head_dim),
-            flash_rows=prompt_rows_in_flash(pool.dtype, self.amx),
+            flash_rows=prompt_rows_in_flash(pool.dtype, self.amx), invariant=batch_invariant.enabled(),
         )
         fb.attn_metadata = build_step(fb, choices, slots, self.num_heads // num_kv_heads)
 

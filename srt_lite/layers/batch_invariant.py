@@ -1,0 +1,62 @@
+"""Batch-invariant (deterministic) inference: a row's result depends on that row alone.
+
+Without it, the CPU products and attention pick their kernel by how many rows a step has
+(a 4-bit copy for one or two rows, 4-bit panels for a few, bf16 panels above; integer dot
+products up to 16 rows of a GGUF weight, a dequantized matmul above; a cascade over a shared
+prefix, a flash call for a long prompt), and each kernel rounds differently. So the same
+request gives other tokens beside other requests, after a radix-cache hit (one row computed
+instead of many) or with its prompt chunked otherwise.
+
+Enabled (`--enable-deterministic-inference`), each layer keeps one product for every row
+count, each of those products computes a row the same way whatever else is in the batch
+(fixed reduction order over k, no split of k by row count), and attention runs every row
+in the C++ prompt op, whose result for a query depends only on the query and its keys.
+`enable()` must run before the model loads: the layers read the setting when they pack.
+"""
+
+from __future__ import annotations
+
+import torch
+
+from srt_lite.layers import cpu_kernels
+
+_enabled = False
+
+
+def enable() -> None:
+    """Turns batch invariance on for this process (a scheduler rank), before the model loads."""
+    global _enabled
+    _enabled = True
+    if cpu_kernels.load():
+        torch.ops.srt_lite_cpu.set_batch_invariant(True)
+
+
+def enabled() -> bool:
+    return _enabled
+
+
+# A row bound that no step reaches: the product chosen for one row serves every row count.
+ALL_ROWS = 1 << 30
+
+
+def gaps(device: str, dtype: torch.dtype, linear_path: str, head_dims: set[int], tp_size: int,
+         torch_compile: bool) -> list[str]:
+    """What keeps a model's outputs from being batch-invariant here, in words (empty: nothing)."""
+    from srt_lite.layers.attention.choose import cpp_cascade_ok
+    from srt_lite.layers.linear import PATH_PACKED, PATH_TORCH
+
+    out = []
+    if device != "cpu":
+        out.append(f"on {device} the attention and matmul kernels are not batch-invariant")
+        return out
+    if not all(cpp_cascade_ok(cpu_kernels.load(), dtype, d) for d in head_dims):
+        out.append("attention: the C++ ops do not run here (not built, or dtype/head size they lack)")
+    if linear_path == PATH_TORCH and dtype == torch.float32:
+        out.append("linears: torch's fp32 matmul (the C++ panels are not built for this CPU)")
+    elif linear_path in (PATH_TORCH, PATH_PACKED):
+        out.append(f"linears: {linear_path} (oneDNN or torch picks its kernel by row count)")
+    if tp_size > 2:
+        out.append("tensor parallelism over more than 2 ranks (the all-reduce's sum order depends on the row count)")
+    if torch_compile:
+        out.append("--enable-torch-compile (inductor fuses differently per graph)")
+    return out
