@@ -76,6 +76,12 @@ class Req:
         return len(self.origin_input_ids) + len(self.output_ids)
 
     @property
+    def stops_mid_prompt(self) -> bool:
+        """This step computes a chunk of the prompt that ends before the prompt does: the
+        token sampled after it is not kept."""
+        return 0 < self.extend_len and self.kv_len + self.extend_len < self.seq_len
+
+    @property
     def finished(self) -> bool:
         return self.finished_reason is not None
 

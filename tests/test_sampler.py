@@ -202,6 +202,18 @@ def test_seeded_rows_do_not_depend_on_batch_neighbours():
     assert together == alone[0]
 
 
+def test_a_chunk_short_of_the_prompt_end_draws_no_seeded_noise():
+    """The token sampled after a partial prompt chunk is dropped; a seeded request's own
+    generator must not advance for it, or its output would depend on the chunking."""
+    logits = torch.randn(2, V, generator=torch.Generator().manual_seed(6))
+    mid, last = make_req(0, temperature=1.0, prompt=range(10)), make_req(1, temperature=1.0, prompt=range(10))
+    mid.generator, last.generator = torch.Generator().manual_seed(9), torch.Generator().manual_seed(9)
+    mid.extend_len, last.kv_len, last.extend_len = 4, 4, 6  # the first chunk; the last one
+    Sampler(0, "cpu")(logits, SamplingBatchInfo.from_reqs([mid, last], V, "cpu", set()))
+    assert mid.generator.get_state().equal(torch.Generator().manual_seed(9).get_state())
+    assert not last.generator.get_state().equal(torch.Generator().manual_seed(9).get_state())
+
+
 def test_greedy_top1_logprob_is_the_sampled_token():
     g = torch.Generator().manual_seed(7)
     logits = torch.randn(2, V, generator=g)

@@ -68,7 +68,10 @@ class SamplingBatchInfo:
             top_ks=col([V if p.top_k == -1 else min(p.top_k, V) for p in params], torch.int64),
             min_ps=col([p.min_p for p in params], torch.float32),
             is_greedy=col(greedy, torch.bool),
-            generators=[r.generator for r in reqs],
+            # A chunk that stops short of the prompt's end samples a token nobody keeps: it
+            # must not draw from the request's own generator, or a seeded request's noise
+            # would depend on how its prompt was chunked.
+            generators=[None if r.stops_mid_prompt else r.generator for r in reqs],
         )
         if any(r.grammar is not None for r in reqs):
             info.grammars = [r.grammar for r in reqs]

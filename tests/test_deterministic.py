@@ -1,0 +1,175 @@
+"""Deterministic inference (--enable-deterministic-inference): a request's tokens and logprobs
+are bit-identical sent alone to an idle server, sent with all the others at random moments
+under KV pressure (retraction and resumption, chunked prompts, radix-cache hits, n=2
+siblings and JSON-schema rows beside it), and after a restart. Run on the default model in
+the machine's default dtype (and, through the cpu_caps leg of `make test`, capped at AVX2),
+its GGUF file on the native 4-bit path, a bf16 Hugging Face directory, and tp=2."""
+
+from __future__ import annotations
+
+import json
+import random
+import time
+from concurrent.futures import ThreadPoolExecutor
+
+import httpx
+import pytest
+import torch
+from transformers import AutoModelForCausalLM, AutoTokenizer, LlamaConfig
+
+from server_utils import ServerProcess
+from srt_lite.model_loader.default_model import default_gguf_path, resolve_model_path
+
+SCHEMA = {
+    "type": "object",
+    "properties": {"name": {"type": "string", "maxLength": 12}, "age": {"type": "integer"}},
+    "required": ["name", "age"],
+}
+SHARED = "You are a careful assistant who answers in one short sentence. " * 8  # a cached prefix
+STORY = "The old ship left the harbour at dawn, and the sea was grey and calm. "  # long prompts chunk
+# Small enough that the concurrent run retracts requests; prompts longer than a chunk.
+PRESSURE = ["--max-running-requests", "6", "--max-total-tokens", "400", "--chunked-prefill-size", "64"]
+
+
+def requests(n: int) -> list[dict]:
+    """n /generate bodies mixing what can change a batch's rounding."""
+    out = []
+    for i in range(n):
+        params: dict = {"max_new_tokens": 12}
+        greedy = i % 2 == 0
+        params.update({"temperature": 0} if greedy else {"temperature": 1.0, "seed": 1000 + i})
+        kind = i % 6
+        if kind in (0, 1):
+            text = SHARED + f"Question {i}: what colour is the sky at noon?"
+        elif kind == 2:
+            text = STORY * (3 + i % 5) + f"Chapter {i}:"
+        elif kind == 3:
+            text = f"List three animals that start with the letter {chr(65 + i % 26)}:"
+            params.update(n=2, temperature=0.8, seed=2000 + i, max_new_tokens=96, ignore_eos=True)
+        elif kind == 4:
+            text = f"Person {i} as JSON:"
+            params["json_schema"] = json.dumps(SCHEMA)
+            params["max_new_tokens"] = 24
+        else:
+            text = f"Count from {i} to {i + 9}:"
+            # Long outputs: admission expects less, so the concurrent run retracts some.
+            params.update(temperature=0.7, top_p=0.9, top_k=40, seed=3000 + i, max_new_tokens=96, ignore_eos=True)
+        out.append({"text": text, "sampling_params": params, "return_logprob": True})
+    return out
+
+
+def token_requests(n: int, vocab: int) -> list[dict]:
+    """Bodies with token ids (for a tiny model with its own vocabulary)."""
+    rng = random.Random(7)
+    shared = [rng.randrange(vocab) for _ in range(80)]
+    out = []
+    for i, body in enumerate(requests(n)):
+        ids = shared + [rng.randrange(vocab) for _ in range(4)] if i % 3 == 0 else [rng.randrange(vocab) for _ in range(10 + 30 * (i % 4))]
+        body = {k: v for k, v in body.items() if k != "text"}
+        body["sampling_params"] = {k: v for k, v in body["sampling_params"].items() if k != "json_schema"}
+        out.append({"input_ids": ids, **body})
+    return out
+
+
+def result(body: dict, response: dict | list) -> list[tuple]:
+    """(output ids, their logprobs) of each choice: what must not change."""
+    choices = response if isinstance(response, list) else [response]
+    assert len(choices) == body["sampling_params"].get("n", 1)
+    return [(tuple(c["output_ids"]), tuple(lp for lp, _, _ in c["meta_info"]["output_token_logprobs"])) for c in choices]
+
+
+def alone(server: ServerProcess, bodies: list[dict]) -> list:
+    out = []
+    for body in bodies:
+        r = httpx.post(server.base_url + "/generate", json=body, timeout=300)
+        assert r.status_code == 200, r.text
+        out.append(result(body, r.json()))
+    return out
+
+
+def together(server: ServerProcess, bodies: list[dict], seed: int) -> list:
+    """All bodies at once, each sent after a random delay, in a shuffled order."""
+    rng = random.Random(seed)
+    delays = [rng.uniform(0, 1.5) for _ in bodies]
+
+    def send(i: int):
+        time.sleep(delays[i])
+        r = httpx.post(server.base_url + "/generate", json=bodies[i], timeout=600)
+        assert r.status_code == 200, r.text
+        return result(bodies[i], r.json())
+
+    order = list(range(len(bodies)))
+    rng.shuffle(order)
+    with ThreadPoolExecutor(len(bodies)) as pool:
+        got = dict(zip(order, pool.map(send, order)))
+    return [got[i] for i in range(len(bodies))]
+
+
+def server_state(server: ServerProcess) -> dict:
+    info = httpx.get(server.base_url + "/server_info", timeout=30).json()
+    assert info["deterministic"] is True, info["deterministic_gaps"]
+    return info
+
+
+def check_invariant(args: list[str], bodies: list[dict]) -> None:
+    """Alone, together (with retractions), and together again after a restart: equal."""
+    with ServerProcess(*args, "--enable-deterministic-inference", *PRESSURE) as s:
+        server_state(s)
+        want = alone(s, bodies)
+        got = together(s, bodies, seed=1)
+        load = server_state(s)["load"]
+        assert load["num_retractions"] > 0  # the pressure did what it is there for
+    assert got == want
+    with ServerProcess(*args, "--enable-deterministic-inference", *PRESSURE) as s:
+        assert together(s, bodies, seed=2) == want
+
+
+@pytest.mark.slow
+@pytest.mark.cpu_caps
+def test_default_model_is_batch_invariant():
+    """48 requests on the default model in this CPU's default dtype."""
+    check_invariant([], requests(48))
+
+
+@pytest.mark.slow
+def test_gguf_file_is_batch_invariant():
+    """The default model from its own GGUF file: the 4-bit products for every row count."""
+    check_invariant(["--model-path", default_gguf_path()], requests(18))
+
+
+@pytest.mark.slow
+def test_bf16_directory_is_batch_invariant():
+    """A Hugging Face directory in bf16 (no 4-bit copies): the bf16 products."""
+    check_invariant(["--quantization", "none", "--dtype", "bfloat16"], requests(18))
+
+
+@pytest.fixture(scope="module")
+def tiny_tp_model(tmp_path_factory) -> str:
+    """8 query heads and 2 KV heads of 16: tp=2 splits both; the C++ attention takes 16."""
+    torch.manual_seed(0)
+    cfg = LlamaConfig(
+        vocab_size=512, hidden_size=128, intermediate_size=256, num_hidden_layers=2,
+        num_attention_heads=8, num_key_value_heads=2, max_position_embeddings=512, tie_word_embeddings=False,
+    )
+    path = tmp_path_factory.mktemp("tiny_det_tp")
+    AutoModelForCausalLM.from_config(cfg, dtype=torch.bfloat16).save_pretrained(path)
+    AutoTokenizer.from_pretrained(resolve_model_path(None)).save_pretrained(path)
+    return str(path)
+
+
+@pytest.mark.slow
+def test_tensor_parallel_is_batch_invariant(tiny_tp_model):
+    check_invariant(["--model-path", tiny_tp_model, "--tp-size", "2", "--dtype", "bfloat16"], token_requests(18, 512))
+
+
+@pytest.mark.slow
+def test_speculative_decoding_changes_no_greedy_token():
+    """NGRAM drafts verified several rows at a time give the tokens one-row steps give."""
+    bodies = [b for b in requests(24) if b["sampling_params"].get("temperature") == 0]
+    for b in bodies:
+        b["sampling_params"]["max_new_tokens"] = 32
+    with ServerProcess("--enable-deterministic-inference") as s:
+        want = [[ids for ids, _ in r] for r in together(s, bodies, seed=3)]
+    with ServerProcess("--enable-deterministic-inference", "--speculative-algorithm", "ngram") as s:
+        got = [[ids for ids, _ in r] for r in together(s, bodies, seed=4)]
+    assert got == want
