@@ -4,7 +4,7 @@
 # ratios (the machine is noisy; never compare across runs).
 #   benchmarks/compare_with_vllm.sh LABEL [VLLM_PYTHON]
 # WORKLOADS="W3" limits the workloads; SERVERS="srt vllm" limits the servers (default: all four,
-# srt srt-ngram srt-ngram-compile vllm; `llamacpp` adds llama-cpp-python's server on the default
+# srt srt-ngram srt-ngram-compile vllm; `srt-det` adds srt_lite with --enable-deterministic-inference; `llamacpp` adds llama-cpp-python's server on the default
 # model's own GGUF file, 2 threads, single-stream workloads only: LLAMACPP_WORKLOADS, default
 # "CHAT1 W1", its Python LLAMACPP_PYTHON); ROUNDS=N repeats the servers N times in turn
 # (labels LABEL-1 .. LABEL-N), so a drift of the host's speed hits every server alike.
@@ -64,6 +64,7 @@ for round in $(seq "$rounds"); do
     case $server in
       srt) run_srt srt ;;
       srt-ngram) run_srt srt-ngram --speculative-algorithm ngram ;;
+      srt-det) run_srt srt-det --enable-deterministic-inference ;;
       srt-ngram-compile) run_srt srt-ngram-compile --speculative-algorithm ngram --enable-torch-compile ;;
       vllm) run_vllm ;;
       llamacpp) run_llamacpp ;;

@@ -28,7 +28,7 @@ SCHEMA = {
 SHARED = "You are a careful assistant who answers in one short sentence. " * 8  # a cached prefix
 STORY = "The old ship left the harbour at dawn, and the sea was grey and calm. "  # long prompts chunk
 # Small enough that the concurrent run retracts requests; prompts longer than a chunk.
-PRESSURE = ["--max-running-requests", "6", "--max-total-tokens", "400", "--chunked-prefill-size", "64"]
+PRESSURE = ["--max-running-requests", "6", "--max-total-tokens", "200", "--chunked-prefill-size", "64"]
 
 
 def requests(n: int) -> list[dict]:
@@ -45,7 +45,7 @@ def requests(n: int) -> list[dict]:
             text = STORY * (3 + i % 5) + f"Chapter {i}:"
         elif kind == 3:
             text = f"List three animals that start with the letter {chr(65 + i % 26)}:"
-            params.update(n=2, temperature=0.8, seed=2000 + i, max_new_tokens=96, ignore_eos=True)
+            params.update(n=2, temperature=0.8, seed=2000 + i, max_new_tokens=48, ignore_eos=True)
         elif kind == 4:
             text = f"Person {i} as JSON:"
             params["json_schema"] = json.dumps(SCHEMA)
@@ -53,7 +53,7 @@ def requests(n: int) -> list[dict]:
         else:
             text = f"Count from {i} to {i + 9}:"
             # Long outputs: admission expects less, so the concurrent run retracts some.
-            params.update(temperature=0.7, top_p=0.9, top_k=40, seed=3000 + i, max_new_tokens=96, ignore_eos=True)
+            params.update(temperature=0.7, top_p=0.9, top_k=40, seed=3000 + i, max_new_tokens=48, ignore_eos=True)
         out.append({"text": text, "sampling_params": params, "return_logprob": True})
     return out
 
@@ -134,13 +134,13 @@ def test_default_model_is_batch_invariant():
 @pytest.mark.slow
 def test_gguf_file_is_batch_invariant():
     """The default model from its own GGUF file: the 4-bit products for every row count."""
-    check_invariant(["--model-path", default_gguf_path()], requests(18))
+    check_invariant(["--model-path", default_gguf_path()], requests(12))
 
 
 @pytest.mark.slow
 def test_bf16_directory_is_batch_invariant():
     """A Hugging Face directory in bf16 (no 4-bit copies): the bf16 products."""
-    check_invariant(["--quantization", "none", "--dtype", "bfloat16"], requests(18))
+    check_invariant(["--quantization", "none", "--dtype", "bfloat16"], requests(12))
 
 
 @pytest.fixture(scope="module")
@@ -159,7 +159,7 @@ def tiny_tp_model(tmp_path_factory) -> str:
 
 @pytest.mark.slow
 def test_tensor_parallel_is_batch_invariant(tiny_tp_model):
-    check_invariant(["--model-path", tiny_tp_model, "--tp-size", "2", "--dtype", "bfloat16"], token_requests(18, 512))
+    check_invariant(["--model-path", tiny_tp_model, "--tp-size", "2", "--dtype", "bfloat16"], token_requests(12, 512))
 
 
 @pytest.mark.slow
