@@ -12,7 +12,7 @@ import pytest
 import torch
 
 from model_harness import Harness
-from srt_lite.layers import cpu_kernels
+from srt_lite.layers import batch_invariant, cpu_kernels
 from srt_lite.layers.linear import INT4_ROWS, int4_panel_rows
 from srt_lite.model_config import ModelConfig
 from srt_lite.model_executor.model_runner import ModelRunner
@@ -133,6 +133,36 @@ def test_gguf_blocks_equal_the_python_layers(recipe, arch, tmp_path, stack_calls
         got, want = run_both(runner, prompts, steps=2)
         assert all(torch.equal(a, b) for a, b in zip(got, want)), rows
         assert stack_calls[-2:] == [rows] * 2
+
+
+@pytest.fixture
+def invariant() -> Iterator[None]:
+    """Batch-invariant inference for one test (the runner turns it on; this turns it off)."""
+    yield
+    batch_invariant.enable(False)
+
+
+@pytest.mark.cpu_caps
+@pytest.mark.parametrize("dtype", ["bfloat16", "float32"])
+def test_batch_invariant_steps_equal_the_python_layers(dtype, tmp_path, stack_calls, invariant):
+    """With --enable-deterministic-inference every step's attention is the C++ prompt op; the
+    stack then runs prompts as well as decode steps, with the Python layers' logits."""
+    runner = _runner(make_tiny_model("llama", tmp_path / "llama"), dtype, enable_deterministic_inference=True)
+    for rows in (1, 5):
+        prompts = [[(11 * r + j) % 300 + 3 for j in range(6 + r % 5)] for r in range(rows)]
+        stack_calls.clear()
+        got, want = run_both(runner, prompts, steps=2)
+        assert all(torch.equal(a, b) for a, b in zip(got, want)), rows
+        assert stack_calls == [sum(map(len, prompts)), rows, rows]
+
+
+def test_batch_invariant_default_model_equals_the_python_layers(default_model_dir, stack_calls, invariant):
+    """The default model's 4-bit panels at every row count, through the stack and in Python."""
+    runner = _runner(default_model_dir, "bfloat16", enable_deterministic_inference=True)
+    prompts = [[(13 * r + j) % 40000 + 100 for j in range(5 + r)] for r in range(3)]
+    got, want = run_both(runner, prompts, steps=2)
+    assert all(torch.equal(a, b) for a, b in zip(got, want))
+    assert stack_calls == [sum(map(len, prompts)), 3, 3]
 
 
 def test_models_and_settings_it_does_not_cover_keep_the_python_layers(tmp_path, monkeypatch):

@@ -23,12 +23,13 @@ from srt_lite.layers import cpu_kernels
 _enabled = False
 
 
-def enable() -> None:
-    """Turns batch invariance on for this process (a scheduler rank), before the model loads."""
+def enable(on: bool = True) -> None:
+    """Turns batch invariance on (or off) for this process (a scheduler rank), before the model
+    loads; a model loaded under one setting keeps its products."""
     global _enabled
-    _enabled = True
+    _enabled = on
     if cpu_kernels.load():
-        torch.ops.srt_lite_cpu.set_batch_invariant(True)
+        torch.ops.srt_lite_cpu.set_batch_invariant(on)
 
 
 def enabled() -> bool:
