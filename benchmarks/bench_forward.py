@@ -33,6 +33,7 @@ def build_runner(args: argparse.Namespace) -> ModelRunner:
         model_path=args.model_path if gguf else resolve_model_path(args.model_path),
         dtype=args.dtype,
         quantization=args.quantization,
+        enable_deterministic_inference=args.deterministic,
         max_total_tokens=args.max_total_tokens,
         max_running_requests=max(args.batch_sizes) + 1,
     )
@@ -79,6 +80,7 @@ def main() -> None:
     parser.add_argument("--prefill", default="256,512", type=lambda s: [int(x) for x in s.split(",") if x])
     parser.add_argument("--steps", type=int, default=10)
     parser.add_argument("--max-total-tokens", type=int, default=32768)
+    parser.add_argument("--deterministic", action="store_true", help="--enable-deterministic-inference")
     parser.add_argument(
         "--profile", nargs="?", const="decode", choices=["decode", "prefill"], default=None,
         help="profile the first decode batch size (default) or the first prefill length",

@@ -53,6 +53,8 @@ constexpr int64_t kF32KeyVecs = W >= 16 ? 4 : 2;
 // Tiles of one task: enough work to outweigh taking a task, few enough that the last
 // tasks of a layer still share out evenly.
 constexpr int64_t kTilesPerTask = 8;
+// Largest panel buffer kept from one call to the next (per calling thread).
+constexpr int64_t kKeepPackBytes = int64_t{8} << 20;
 
 inline int64_t round_up(int64_t n, int64_t m) { return (n + m - 1) / m * m; }
 
@@ -91,6 +93,36 @@ struct Shape {
 inline int64_t bf16_pack_elems(int64_t nk, int64_t D) { return round_up(nk, 16) * D + D * round_up(nk, 2); }
 inline int64_t f32_pack_elems(int64_t nk, int64_t D) { return round_up(nk, W) * D + nk * D; }
 
+// V's pairs: vp [D / 16, npairs, 16, 2], element (d, key j) at ((d / 16, j / 2, d % 16, j % 2)).
+// A pure copy: with AVX-512 two keys' 16 dims become one vector of (key 2i, key 2i + 1) pairs
+// (each widened to 32 bits, the second shifted into the high half), instead of 32 scalar
+// stores; a decode row packs its whole context every layer, so this copy is on its path.
+#if defined(SRT_LITE_PROMPT_BF16_DOT)
+__attribute__((target("avx512f,avx512bw")))
+#endif
+void pack_v_pairs(const Part& p, const uint16_t* vb, int64_t row_stride, int64_t D, int64_t npairs, uint16_t* vp) {
+  const int64_t nk = p.nk;
+#if defined(SRT_LITE_PROMPT_BF16_DOT)
+  for (int64_t j = 0; j + 1 < nk; j += 2) {
+    const uint16_t* a = vb + p.slots[j] * row_stride + p.h * D;
+    const uint16_t* b = vb + p.slots[j + 1] * row_stride + p.h * D;
+    for (int64_t c = 0; c < D / 16; ++c) {
+      const __m512i lo = _mm512_cvtepu16_epi32(_mm256_loadu_si256(reinterpret_cast<const __m256i*>(a + c * 16)));
+      const __m512i hi = _mm512_cvtepu16_epi32(_mm256_loadu_si256(reinterpret_cast<const __m256i*>(b + c * 16)));
+      _mm512_storeu_si512(vp + (c * npairs + j / 2) * 32, _mm512_or_si512(lo, _mm512_slli_epi32(hi, 16)));
+    }
+  }
+  for (int64_t j = nk & ~int64_t{1}; j < nk; ++j) {  // an odd last key; its pair's other half is zero
+#else
+  for (int64_t j = 0; j < nk; ++j) {
+#endif
+    const uint16_t* src = vb + p.slots[j] * row_stride + p.h * D;
+    for (int64_t d = 0; d < D; ++d) {
+      vp[(((d / 16) * npairs + j / 2) * 16 + d % 16) * 2 + j % 2] = src[d];
+    }
+  }
+}
+
 void pack_bf16(const Part& p, const uint16_t* kb, const uint16_t* vb, int64_t row_stride, int64_t D, uint16_t* dst) {
   const int64_t nk = p.nk, nvk = round_up(nk, 16) / 16, npairs = round_up(nk, 2) / 2;
   uint32_t* kp = reinterpret_cast<uint32_t*>(dst);  // [nvk, D / 2, 16] of d pairs
@@ -110,12 +142,7 @@ void pack_bf16(const Part& p, const uint16_t* kb, const uint16_t* vb, int64_t ro
       for (int64_t i = 0; i < 16; ++i) vp[((c * npairs + npairs - 1) * 16 + i) * 2 + 1] = 0;
     }
   }
-  for (int64_t j = 0; j < nk; ++j) {
-    const uint16_t* src = vb + p.slots[j] * row_stride + p.h * D;
-    for (int64_t d = 0; d < D; ++d) {
-      vp[(((d / 16) * npairs + j / 2) * 16 + d % 16) * 2 + j % 2] = src[d];
-    }
-  }
+  pack_v_pairs(p, vb, row_stride, D, npairs, vp);
 }
 
 template <typename T>
@@ -429,24 +456,32 @@ void prompt_attention(const at::Tensor& q, const at::Tensor& k_buf, const at::Te
       pack_elems += dots ? bf16_pack_elems(nk, D) : f32_pack_elems(nk, D);
     }
   }
-  // Panels of every part: bf16 or fp32 elements.
-  at::Tensor pack = at::empty({pack_elems * (dots ? 2 : 4)}, q.options().dtype(at::kByte));  // [bytes]
+  // Panels of every part: bf16 or fp32 elements. Up to kKeepPackBytes the buffer is kept for
+  // the next call (a fresh one of a few MB, every layer, pays its page faults every time).
+  const int64_t pack_bytes = pack_elems * (dots ? 2 : 4);
+  static thread_local std::vector<uint8_t> kept;
+  at::Tensor big;
+  uint8_t* pack_base;
+  if (pack_bytes <= kKeepPackBytes) {
+    if (static_cast<int64_t>(kept.size()) < pack_bytes) kept.resize(pack_bytes);
+    pack_base = kept.data();
+  } else {
+    big = at::empty({pack_bytes}, q.options().dtype(at::kByte));  // [bytes]
+    pack_base = big.data_ptr<uint8_t>();
+  }
   const int64_t row_stride = Hkv * D;
-  at::parallel_for(0, static_cast<int64_t>(parts.size()), 1, [&](int64_t begin, int64_t end) {
-    for (int64_t i = begin; i < end; ++i) {
-      const Part& p = parts[i];
-      if (dots) {
-        pack_bf16(p, reinterpret_cast<const uint16_t*>(k_buf.data_ptr()), reinterpret_cast<const uint16_t*>(v_buf.data_ptr()),
-                  row_stride, D, reinterpret_cast<uint16_t*>(pack.data_ptr<uint8_t>()) + p.pack);
-      } else if (dtype == at::kBFloat16) {
-        pack_f32(p, k_buf.data_ptr<c10::BFloat16>(), v_buf.data_ptr<c10::BFloat16>(), row_stride, D,
-                 reinterpret_cast<float*>(pack.data_ptr<uint8_t>()) + p.pack);
-      } else {
-        pack_f32(p, k_buf.data_ptr<float>(), v_buf.data_ptr<float>(), row_stride, D,
-                 reinterpret_cast<float*>(pack.data_ptr<uint8_t>()) + p.pack);
-      }
+  auto pack_part = [&](const Part& p) {
+    if (dots) {
+      pack_bf16(p, reinterpret_cast<const uint16_t*>(k_buf.data_ptr()), reinterpret_cast<const uint16_t*>(v_buf.data_ptr()),
+                row_stride, D, reinterpret_cast<uint16_t*>(pack_base) + p.pack);
+    } else if (dtype == at::kBFloat16) {
+      pack_f32(p, k_buf.data_ptr<c10::BFloat16>(), v_buf.data_ptr<c10::BFloat16>(), row_stride, D,
+               reinterpret_cast<float*>(pack_base) + p.pack);
+    } else {
+      pack_f32(p, k_buf.data_ptr<float>(), v_buf.data_ptr<float>(), row_stride, D,
+               reinterpret_cast<float*>(pack_base) + p.pack);
     }
-  });
+  };
 
   // Tasks, costliest first (a tile's cost: the keys its last query sees).
   std::vector<Task> tasks;
@@ -460,6 +495,14 @@ void prompt_attention(const at::Tensor& q, const at::Tensor& k_buf, const at::Te
     }
   }
   std::stable_sort(tasks.begin(), tasks.end(), [](const Task& a, const Task& b) { return a.cost > b.cost; });
+  // One task per part (decode and short rows): each task packs its own part first, in the
+  // same pass; otherwise the parts are packed in a pass of their own before any task reads them.
+  const bool pack_in_task = tasks.size() == parts.size();
+  if (!pack_in_task) {
+    at::parallel_for(0, static_cast<int64_t>(parts.size()), 1, [&](int64_t begin, int64_t end) {
+      for (int64_t i = begin; i < end; ++i) pack_part(parts[i]);
+    });
+  }
   std::atomic<int64_t> next{0};
   const int64_t lds = round_up(max_k, 16) + 16;  // a tile's scores, padded to whole key vectors
   const int64_t workers = std::min<int64_t>(at::get_num_threads(), static_cast<int64_t>(tasks.size()));
@@ -471,19 +514,20 @@ void prompt_attention(const at::Tensor& q, const at::Tensor& k_buf, const at::Te
     for (int64_t i; (i = next.fetch_add(1)) < static_cast<int64_t>(tasks.size());) {
       const Task& task = tasks[i];
       const Part& p = parts[task.part];
+      if (pack_in_task) pack_part(p);
       for (int64_t tile = task.t0; tile < task.t1; ++tile) {
         if (dots) {
 #ifdef SRT_LITE_PROMPT_BF16_DOT
-          tile_bf16(p, sh, reinterpret_cast<const uint16_t*>(pack.data_ptr<uint8_t>()) + p.pack, tile,
+          tile_bf16(p, sh, reinterpret_cast<const uint16_t*>(pack_base) + p.pack, tile,
                     reinterpret_cast<const uint16_t*>(q.data_ptr()), q.stride(0), reinterpret_cast<uint16_t*>(out.data_ptr()),
                     out.stride(0), s.data(), lds, qh.data(), ph.data(), lds);
 #endif
         } else if (dtype == at::kBFloat16) {
-          tile_f32(p, sh, reinterpret_cast<const float*>(pack.data_ptr<uint8_t>()) + p.pack, tile,
+          tile_f32(p, sh, reinterpret_cast<const float*>(pack_base) + p.pack, tile,
                    q.data_ptr<c10::BFloat16>(), q.stride(0), out.data_ptr<c10::BFloat16>(), out.stride(0), s.data(), lds,
                    qf.data());
         } else {
-          tile_f32(p, sh, reinterpret_cast<const float*>(pack.data_ptr<uint8_t>()) + p.pack, tile, q.data_ptr<float>(),
+          tile_f32(p, sh, reinterpret_cast<const float*>(pack_base) + p.pack, tile, q.data_ptr<float>(),
                    q.stride(0), out.data_ptr<float>(), out.stride(0), s.data(), lds, qf.data());
         }
       }
