@@ -349,10 +349,9 @@ BF16_TARGET void round_probs(const float* s, int64_t lds, int64_t rows, int64_t 
   }
 }
 
-template <int NC>
+template <int MR, int NC>
 BF16_TARGET void pv_store_bf16(const uint16_t* pb, int64_t ldp, const uint32_t* vpanel, int64_t npairs, int64_t np,
                                const TileRows& t, const float* l, int64_t c0, uint16_t* op, int64_t os, int64_t D) {
-  constexpr int MR = kBf16Rows;
   __m512 acc[MR][NC];
   pv_bf16<MR, NC>(pb, ldp, vpanel + c0 * npairs * 16, npairs, np, acc);
   for (int64_t m = 0; m < t.rows; ++m) {
@@ -365,9 +364,12 @@ BF16_TARGET void pv_store_bf16(const uint16_t* pb, int64_t ldp, const uint32_t* 
   }
 }
 
+// One tile of MR query rows (kBf16Rows, or fewer for a part that has fewer rows: a decode
+// row's G heads). Each row has its own sums over the same keys in the same order, so a row's
+// result does not depend on MR.
+template <int MR>
 void tile_bf16(const Part& p, const Shape& sh, const uint16_t* pack, int64_t tile, const uint16_t* qp, int64_t qs,
                uint16_t* op, int64_t os, float* s, int64_t lds, uint16_t* qbuf, uint16_t* pb, int64_t ldp) {
-  constexpr int MR = kBf16Rows;
   const int64_t D = sh.D;
   const TileRows t = tile_rows(p, sh, tile, MR);
   for (int64_t m = 0; m < MR; ++m) std::memcpy(qbuf + m * D, qp + t.tok[m] * qs + t.head[m] * D, D * sizeof(uint16_t));
@@ -384,8 +386,23 @@ void tile_bf16(const Part& p, const Shape& sh, const uint16_t* pack, int64_t til
   const int64_t np = round_up(t.nmax, 2) / 2;  // pairs past a row's keys hold zeros
   const int64_t nc = D / 16;
   int64_t c0 = 0;
-  for (; c0 + 4 <= nc; c0 += 4) pv_store_bf16<4>(pb, ldp, vpanel, npairs, np, t, l, c0, op, os, D);
-  for (; c0 < nc; ++c0) pv_store_bf16<1>(pb, ldp, vpanel, npairs, np, t, l, c0, op, os, D);
+  for (; c0 + 4 <= nc; c0 += 4) pv_store_bf16<MR, 4>(pb, ldp, vpanel, npairs, np, t, l, c0, op, os, D);
+  for (; c0 < nc; ++c0) pv_store_bf16<MR, 1>(pb, ldp, vpanel, npairs, np, t, l, c0, op, os, D);
+}
+
+// tile_bf16 with as few rows as the part has, up to kBf16Rows.
+void tile_bf16_rows(int64_t rows, const Part& p, const Shape& sh, const uint16_t* pack, int64_t tile,
+                    const uint16_t* qp, int64_t qs, uint16_t* op, int64_t os, float* s, int64_t lds, uint16_t* qbuf,
+                    uint16_t* pb, int64_t ldp) {
+  static_assert(kBf16Rows == 6, "tile_bf16_rows covers 1 .. 6 rows");
+  switch (std::min<int64_t>(rows, kBf16Rows)) {
+    case 1: return tile_bf16<1>(p, sh, pack, tile, qp, qs, op, os, s, lds, qbuf, pb, ldp);
+    case 2: return tile_bf16<2>(p, sh, pack, tile, qp, qs, op, os, s, lds, qbuf, pb, ldp);
+    case 3: return tile_bf16<3>(p, sh, pack, tile, qp, qs, op, os, s, lds, qbuf, pb, ldp);
+    case 4: return tile_bf16<4>(p, sh, pack, tile, qp, qs, op, os, s, lds, qbuf, pb, ldp);
+    case 5: return tile_bf16<5>(p, sh, pack, tile, qp, qs, op, os, s, lds, qbuf, pb, ldp);
+    default: return tile_bf16<6>(p, sh, pack, tile, qp, qs, op, os, s, lds, qbuf, pb, ldp);
+  }
 }
 #undef BF16_TARGET
 #endif
@@ -518,7 +535,7 @@ void prompt_attention(const at::Tensor& q, const at::Tensor& k_buf, const at::Te
       for (int64_t tile = task.t0; tile < task.t1; ++tile) {
         if (dots) {
 #ifdef SRT_LITE_PROMPT_BF16_DOT
-          tile_bf16(p, sh, reinterpret_cast<const uint16_t*>(pack_base) + p.pack, tile,
+          tile_bf16_rows(p.nq * sh.G, p, sh, reinterpret_cast<const uint16_t*>(pack_base) + p.pack, tile,
                     reinterpret_cast<const uint16_t*>(q.data_ptr()), q.stride(0), reinterpret_cast<uint16_t*>(out.data_ptr()),
                     out.stride(0), s.data(), lds, qh.data(), ph.data(), lds);
 #endif
