@@ -3,8 +3,8 @@ are bit-identical sent alone to an idle server, sent with all the others at rand
 under KV pressure (retraction and resumption, chunked prompts, radix-cache hits, n=2
 siblings and JSON-schema rows beside it), and after a restart. Run on the default model in
 the machine's default dtype (and, through the cpu_caps leg of `make test`, capped at AVX2),
-its GGUF file on the native 4-bit path, and a bf16 Hugging Face directory. Tensor parallelism is reported as not covered (see
-batch_invariant.gaps)."""
+its GGUF file on the native 4-bit path, a bf16 Hugging Face directory, and tp=2; the ranks'
+sums in rank order at tp=3."""
 
 from __future__ import annotations
 
@@ -16,9 +16,14 @@ from concurrent.futures import ThreadPoolExecutor
 import httpx
 import pytest
 import torch
+import torch.distributed as dist
+import torch.multiprocessing as mp
+from transformers import AutoModelForCausalLM, AutoTokenizer, LlamaConfig
 
 from server_utils import ServerProcess
-from srt_lite.model_loader.default_model import default_gguf_path
+from srt_lite.distributed import parallel_state
+from srt_lite.model_loader.default_model import default_gguf_path, resolve_model_path
+from srt_lite.utils import get_free_port
 
 SCHEMA = {
     "type": "object",
@@ -55,6 +60,19 @@ def requests(n: int) -> list[dict]:
             # Long outputs: admission expects less, so the concurrent run retracts some.
             params.update(temperature=0.7, top_p=0.9, top_k=40, seed=3000 + i, max_new_tokens=48, ignore_eos=True)
         out.append({"text": text, "sampling_params": params, "return_logprob": True})
+    return out
+
+
+def token_requests(n: int, vocab: int) -> list[dict]:
+    """requests(n) as token ids, for a tiny model with a vocabulary of its own (no schema:
+    its random weights would never close the JSON)."""
+    rng = random.Random(7)
+    shared = [rng.randrange(vocab) for _ in range(80)]
+    out = []
+    for i, body in enumerate(requests(n)):
+        ids = shared + [rng.randrange(vocab) for _ in range(4)] if i % 3 == 0 else [rng.randrange(vocab) for _ in range(10 + 30 * (i % 4))]
+        params = {k: v for k, v in body["sampling_params"].items() if k != "json_schema"}
+        out.append({"input_ids": ids, "sampling_params": params, "return_logprob": True})
     return out
 
 
@@ -130,14 +148,61 @@ def test_bf16_directory_is_batch_invariant():
     check_invariant(["--quantization", "none", "--dtype", "bfloat16"], requests(12))
 
 
+@pytest.fixture(scope="module")
+def tiny_tp_model(tmp_path_factory) -> str:
+    """8 query heads and 2 KV heads of 16: tp=2 splits both; the C++ attention takes 16."""
+    torch.manual_seed(0)
+    cfg = LlamaConfig(
+        vocab_size=512, hidden_size=128, intermediate_size=256, num_hidden_layers=2,
+        num_attention_heads=8, num_key_value_heads=2, max_position_embeddings=512, tie_word_embeddings=False,
+    )
+    path = tmp_path_factory.mktemp("tiny_det_tp")
+    AutoModelForCausalLM.from_config(cfg, dtype=torch.bfloat16).save_pretrained(path)
+    AutoTokenizer.from_pretrained(resolve_model_path(None)).save_pretrained(path)
+    return str(path)
+
+
+@pytest.mark.slow
+def test_tensor_parallel_is_batch_invariant(tiny_tp_model):
+    check_invariant(["--model-path", tiny_tp_model, "--tp-size", "2", "--dtype", "bfloat16"], token_requests(12, 512))
+
+
+def _reduce_rank(rank: int, size: int, port: int, out: str) -> None:
+    """One rank of test_tensor_parallel_sums_in_rank_order: this rank's parts of 40 rows,
+    reduced whole and in slices of other row counts."""
+    parallel_state.init_distributed(rank, size, "cpu", f"127.0.0.1:{port}")
+    parallel_state.sum_in_rank_order(True)
+    gen = torch.Generator().manual_seed(rank)
+    # [40, 96]: magnitudes over many binades, so that the order of a sum shows in its rounding
+    part = torch.randn(40, 96, generator=gen) * torch.exp(4 * torch.randn(40, 96, generator=gen))
+    got = {f"{a}:{b}": parallel_state.tp_all_reduce(part[a:b].clone()) for a, b in ((0, 40), (5, 6), (0, 7), (3, 40))}
+    torch.save({"part": part, "sums": got}, f"{out}.{rank}")
+    dist.barrier()
+    dist.destroy_process_group()
+
+
+def test_tensor_parallel_sums_in_rank_order(tmp_path):
+    """With three ranks a ring all-reduce starts each element's sum at a rank picked by where the
+    element falls in the buffer; in rank order, a row's sum is ((p0 + p1) + p2) whatever the
+    rows beside it, on every rank."""
+    size, out = 3, str(tmp_path / "sums")
+    mp.spawn(_reduce_rank, args=(size, get_free_port(), out), nprocs=size)
+    ranks = [torch.load(f"{out}.{r}") for r in range(size)]
+    want = (ranks[0]["part"] + ranks[1]["part"]) + ranks[2]["part"]
+    for r in ranks:
+        for span, got in r["sums"].items():
+            a, b = map(int, span.split(":"))
+            assert torch.equal(got, want[a:b]), span
+
+
 def test_what_is_not_batch_invariant_is_reported():
-    """The flag never claims more than holds: CUDA, torch's fp32 matmul, oneDNN's packed path,
-    tensor parallelism and torch.compile are named; the C++ CPU paths are not."""
+    """The flag never claims more than holds: CUDA, torch's fp32 matmul, oneDNN's packed path
+    and torch.compile are named; the C++ CPU paths are not."""
     from srt_lite.layers import batch_invariant, cpu_kernels
     from srt_lite.layers.linear import PATH_F32_PANELS, PATH_PACKED, PATH_PANELS, PATH_TORCH
 
     def gaps(**kw):
-        args = dict(device="cpu", dtype=torch.bfloat16, linear_path=PATH_PANELS, head_dims={64}, tp_size=1, torch_compile=False)
+        args = dict(device="cpu", dtype=torch.bfloat16, linear_path=PATH_PANELS, head_dims={64}, torch_compile=False)
         return batch_invariant.gaps(**{**args, **kw})
 
     if cpu_kernels.load():
@@ -146,7 +211,6 @@ def test_what_is_not_batch_invariant_is_reported():
     assert "cuda" in gaps(device="cuda")[0]
     assert any("fp32 matmul" in g for g in gaps(dtype=torch.float32, linear_path=PATH_TORCH))
     assert any("onednn" in g for g in gaps(linear_path=PATH_PACKED))
-    assert any("tensor parallelism" in g for g in gaps(tp_size=2))
     assert any("torch-compile" in g for g in gaps(torch_compile=True))
 
 

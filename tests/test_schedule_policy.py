@@ -262,6 +262,35 @@ def test_manager_retracts_until_the_rest_fits_and_requeues_oldest_first():
     assert kv.check(running.reqs)  # the retracted request left its KV to the cache, none leaked
 
 
+def test_manager_retracts_the_chunked_prompt_before_the_last_request_runs_short():
+    """A lone running request whose next token does not fit because a half-computed prompt
+    holds the memory: the chunked prompt goes back to the queue (its chunks to the cache), so
+    the running request is not ended early."""
+    kv = make_kv(slots=64, rows=8)
+    mgr = make_manager(kv, chunked_prefill_size=16)
+    running = RunningBatch()
+    first = make_req("a", range(1, 11), max_new=40)
+    mgr.add(first)
+    batch, _ = mgr.schedule(running)
+    finish_prefill(kv, batch.reqs, running)
+    long = make_req("b", range(100, 140), max_new=4)
+    mgr.add(long)
+    batch, _ = mgr.schedule(running)
+    assert batch.reqs[: batch.num_decode] == [first]  # a mixed step: "a" decodes a token beside
+    first.kv_len += 1
+    first.output_ids.append(2)
+    finish_prefill(kv, batch.reqs[batch.num_decode :], running)
+    assert mgr.chunked_req is long and long.kv_len > 0
+    hog = kv.alloc(kv.token_to_kv_pool.available_size())  # the rest of the pool is taken
+    assert hog is not None and kv.available() < len(running)
+    mgr.retract(running)
+    assert list(running) == [first] and mgr.chunked_req is None
+    assert mgr.waiting == [long] and long.retracted == 1 and long.req_pool_idx is None
+    assert kv.available() >= len(running)  # the chunk's slots are evictable cache now
+    kv.token_to_kv_pool.free(hog)
+    assert kv.check(running.reqs)
+
+
 def test_manager_abort_waiting_removes_by_rid_or_all():
     kv = make_kv()
     mgr = make_manager(kv)

@@ -23,6 +23,7 @@ _PEER_LOST_MARKERS = ("Connection closed by peer", "Connection reset by peer", "
 _TP_RANK = 0
 _TP_SIZE = 1
 _CPU_GROUP = None  # gloo group for host-side control traffic (also when NCCL does the math)
+_SUM_IN_RANK_ORDER = False  # see sum_in_rank_order
 
 
 def init_distributed(
@@ -84,10 +85,29 @@ def get_tp_size() -> int:
     return _TP_SIZE
 
 
+def sum_in_rank_order(on: bool) -> None:
+    """Makes tp_all_reduce add the ranks' parts in rank order, element by element, whatever the
+    tensor's size. A ring all-reduce starts each element's sum at a rank that depends on which
+    chunk of the buffer the element falls in, and the chunks follow the buffer's length (the
+    batch's row count): with three or more ranks a row's sum, and so its rounding, would
+    change with the batch. Batch-invariant inference turns this on."""
+    global _SUM_IN_RANK_ORDER
+    _SUM_IN_RANK_ORDER = on
+
+
 def tp_all_reduce(x: torch.Tensor) -> torch.Tensor:
+    """The sum of every rank's `x`, in place."""
     if _TP_SIZE == 1:
         return x
-    dist.all_reduce(x)
+    if not _SUM_IN_RANK_ORDER:
+        dist.all_reduce(x)
+        return x
+    parts = torch.empty((_TP_SIZE, *x.shape), dtype=x.dtype, device=x.device)  # [tp, *x.shape]
+    dist.all_gather(list(parts.unbind(0)), x.contiguous())
+    total = parts[0]
+    for part in parts[1:]:
+        total += part
+    x.copy_(total)
     return x
 
 

@@ -11,6 +11,8 @@ Enabled (`--enable-deterministic-inference`), each layer keeps one product for e
 count, each of those products computes a row the same way whatever else is in the batch
 (fixed reduction order over k, no split of k by row count), and attention runs every row
 in the C++ prompt op, whose result for a query depends only on the query and its keys.
+With tensor parallelism the ranks' partial sums are added in rank order (a fixed TP size
+gives a fixed order; another size may give other tokens).
 `enable()` must run before the model loads: the layers read the setting when they pack.
 """
 
@@ -18,6 +20,7 @@ from __future__ import annotations
 
 import torch
 
+from srt_lite.distributed import parallel_state
 from srt_lite.layers import cpu_kernels
 
 _enabled = False
@@ -28,6 +31,7 @@ def enable(on: bool = True) -> None:
     loads; a model loaded under one setting keeps its products."""
     global _enabled
     _enabled = on
+    parallel_state.sum_in_rank_order(on)
     if cpu_kernels.load():
         torch.ops.srt_lite_cpu.set_batch_invariant(on)
 
@@ -40,8 +44,7 @@ def enabled() -> bool:
 ALL_ROWS = 1 << 30
 
 
-def gaps(device: str, dtype: torch.dtype, linear_path: str, head_dims: set[int], tp_size: int,
-         torch_compile: bool) -> list[str]:
+def gaps(device: str, dtype: torch.dtype, linear_path: str, head_dims: set[int], torch_compile: bool) -> list[str]:
     """What keeps a model's outputs from being batch-invariant here, in words (empty: nothing)."""
     from srt_lite.layers.attention.choose import cpp_cascade_ok
     from srt_lite.layers.linear import PATH_PACKED, PATH_TORCH
@@ -56,10 +59,6 @@ def gaps(device: str, dtype: torch.dtype, linear_path: str, head_dims: set[int],
         out.append("linears: torch's fp32 matmul (the C++ panels are not built for this CPU)")
     elif linear_path in (PATH_TORCH, PATH_PACKED):
         out.append(f"linears: {linear_path} (oneDNN or torch picks its kernel by row count)")
-    if tp_size > 1:
-        # Two ranks add each element once (exact in any order), but a seeded row has been seen
-        # to sample differently between runs at tp=2, cause not yet found: not promised.
-        out.append("tensor parallelism (not yet shown batch-invariant)")
     if torch_compile:
         out.append("--enable-torch-compile (inductor fuses differently per graph)")
     return out

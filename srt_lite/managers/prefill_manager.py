@@ -132,7 +132,8 @@ class PrefillManager:
     def retract(self, running: RunningBatch) -> None:
         """Frees KV for the running batch's next decode step by sending requests back to the
         queue (`retraction_order`); they keep their output and resume from (mostly cached)
-        prefill later. At least one request stays."""
+        prefill later. At least one request stays; when that one alone still does not fit,
+        the chunked prompt goes back too."""
         order = retraction_order(running.reqs)
         retracted = []
         while self.kv.available() < len(running) and len(running) > 1:
@@ -142,6 +143,16 @@ class PrefillManager:
             req.retracted += 1
             self.num_retractions += 1
             retracted.append(req)
+        chunk = self.chunked_req
+        if self.kv.available() < len(running) and chunk is not None:
+            # The prompt being chunked holds KV as well. Its computed chunks go to the cache and
+            # it starts over from there, rather than the last running request ending short of
+            # its max_new_tokens while memory it could use sits in a half-done prompt.
+            self.chunked_req = None
+            self.kv.release(chunk)
+            chunk.retracted += 1
+            self.num_retractions += 1
+            retracted.append(chunk)
         # Retracted requests go first when memory allows again, oldest first.
         self.waiting[:0] = sorted(retracted, key=lambda r: r.arrival_time)
         self.reserve.after_retraction(self.kv.capacity - self.kv.available(), running.reqs)

@@ -71,7 +71,7 @@ class ModelRunner:
         if server_args.enable_deterministic_inference:
             head_dims = {m.head_dim for m in self.model.modules() if isinstance(m, RadixAttention)}
             self.deterministic_gaps = batch_invariant.gaps(
-                self.device, self.dtype, self.linear_path, head_dims, self.tp_size, server_args.enable_torch_compile)
+                self.device, self.dtype, self.linear_path, head_dims, server_args.enable_torch_compile)
             if self.deterministic_gaps and self.tp_rank == 0:
                 logger.warning("Deterministic inference asked for, not batch-invariant here: %s",
                                "; ".join(self.deterministic_gaps))
