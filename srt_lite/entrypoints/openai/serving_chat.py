@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+from dataclasses import dataclass
 from typing import TYPE_CHECKING, Any, AsyncIterator, Callable
 
 from starlette.requests import Request
@@ -24,9 +25,22 @@ from srt_lite.entrypoints.openai.tools import ToolPlan, plan_tools
 from srt_lite.managers.validation import LogprobOptions, RequestError
 from srt_lite.parser.reasoning_parser import ReasoningParser, prompt_opens_reasoning
 from srt_lite.parser.tool_call_parser import detect_tool_call_format
+from srt_lite.sampling.sampling_params import SamplingParams
 
 if TYPE_CHECKING:
     from srt_lite.entrypoints.http_server import ServerState
+
+
+@dataclass
+class ChatRun:
+    """A validated chat request, ready to run: see OpenAIServingChat.plan."""
+
+    input_ids: list[int]
+    params: SamplingParams
+    logprobs: LogprobOptions
+    new_output: Callable[[], ChoiceOutput]  # one output parser per choice
+    grammar_after: str | None  # where a grammar starts (TokenizedGenerateReqInput.reasoning)
+    parses_reasoning: bool  # a reasoning parser splits the output
 
 
 async def create_chat_completion(request: Request) -> Response:
@@ -59,8 +73,11 @@ class OpenAIServingChat(OpenAIServingBase):
             raise RequestError(f"the chat template cannot render these messages: {e}") from None
         return text, self.tm.tokenizer.encode(text, add_special_tokens=False)
 
-    async def create(self, request: Request, body: Any) -> Response:
-        req = ChatCompletionRequest.model_validate(body)
+    def plan(self, req: ChatCompletionRequest) -> "ChatRun":
+        """Everything a chat request needs before it runs: its prompt, sampling parameters,
+        grammar and output parsers (400 on anything invalid). The Responses and Anthropic
+        Messages endpoints translate their requests into a ChatCompletionRequest and run it
+        the same way."""
         self.check_model(req.model)
         tools = plan_tools(req)
         grammar = request_grammar(req, tools.grammar())
@@ -84,12 +101,21 @@ class OpenAIServingChat(OpenAIServingBase):
         if reasoning_parser is not None and grammar is not None:
             # The grammar constrains the answer, after the think block (SGLang's rule).
             grammar_after = "forced" if force or reasoning_parser == "deepseek-r1" else "optional"
-        choices = self.run_choices([input_ids], params, logprobs, rid=req.rid, reasoning=grammar_after)
+        return ChatRun(input_ids, params, logprobs, new_output, grammar_after, reasoning_parser is not None)
+
+    def start(self, run: "ChatRun", rid: str | None = None) -> AsyncIterator[tuple[int, dict]]:
+        """The run's choices as one stream of (choice index, incremental chunk)."""
+        return self.run_choices([run.input_ids], run.params, run.logprobs, rid=rid, reasoning=run.grammar_after)
+
+    async def create(self, request: Request, body: Any) -> Response:
+        req = ChatCompletionRequest.model_validate(body)
+        run = self.plan(req)
+        choices = self.start(run, req.rid)
         meta_id = random_id("chatcmpl")
         return await self.respond(
             request, req.stream, choices,
-            lambda first: self.stream(req, meta_id, first, choices, new_output),
-            lambda: self.collect(req, meta_id, choices, new_output, reasoning_parser is not None),
+            lambda first: self.stream(req, meta_id, first, choices, run.new_output),
+            lambda: self.collect(req, meta_id, choices, run.new_output, run.parses_reasoning),
         )
 
     # ---- non-streaming -------------------------------------------------------------------
