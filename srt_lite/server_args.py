@@ -89,6 +89,18 @@ class ServerArgs:
     max_request_bytes: int = _arg(
         16 * 1024 * 1024, "Largest request body accepted; larger ones get HTTP 413.", "HTTP server"
     )
+    response_store_max_entries: int = _arg(
+        1024,
+        "Most responses /v1/responses keeps (store: true) for GET and previous_response_id; the "
+        "oldest go first.",
+        "HTTP server",
+    )
+    response_store_max_bytes: int = _arg(
+        64 * 1024 * 1024, "Most bytes (of stored JSON) those responses may take; the oldest go first.", "HTTP server"
+    )
+    response_store_ttl: float = _arg(
+        3600.0, "Seconds a stored response is kept; older ones are gone (404).", "HTTP server"
+    )
     max_queued_requests: int = _arg(
         2048,
         "Most requests waiting beyond --max-running-requests; more get HTTP 503 with Retry-After.",
@@ -260,6 +272,8 @@ class ServerArgs:
             raise ValueError("--max-total-tokens must be >= 16")
         if self.max_request_bytes < 1024:
             raise ValueError("--max-request-bytes must be >= 1024")
+        if self.response_store_max_entries < 0 or self.response_store_max_bytes < 0 or self.response_store_ttl < 0:
+            raise ValueError("--response-store-max-entries, --response-store-max-bytes and --response-store-ttl must be >= 0")
         if self.attention_backend == "flashinfer" and (self.device == "cpu" or not _cuda_available()):
             raise ValueError("--attention-backend flashinfer needs a CUDA device; use torch_native on the CPU")
         if self.attention_backend == "flashinfer" and self.dtype == "float32":

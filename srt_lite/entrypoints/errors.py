@@ -22,6 +22,15 @@ class ModelNotFound(Exception):
     """A request's `model` is neither the served name nor the model path (HTTP 404)."""
 
 
+class NotFound(Exception):
+    """An id that names nothing (a stored response that is unknown, expired or evicted): HTTP
+    404; `param` is the request field that held it, if any."""
+
+    def __init__(self, message: str, param: str | None = None):
+        super().__init__(message)
+        self.param = param
+
+
 def error_response(
     message: str, status: int = 400, err_type: str | None = None, param: str | None = None, code: Any = None
 ) -> JSONResponse:
@@ -52,6 +61,10 @@ async def on_model_not_found(request: Request, exc: ModelNotFound) -> Response:
     return error_response(str(exc), 404, "invalid_request_error", "model", "model_not_found")
 
 
+async def on_not_found(request: Request, exc: NotFound) -> Response:
+    return error_response(str(exc), 404, "invalid_request_error", exc.param, "not_found")
+
+
 async def on_too_large(request: Request, exc: PayloadTooLarge) -> Response:
     return error_response(str(exc), 413, "invalid_request_error")
 
@@ -66,6 +79,7 @@ EXCEPTION_HANDLERS = {
     RequestError: on_request_error,
     ValidationError: on_validation_error,
     ModelNotFound: on_model_not_found,
+    NotFound: on_not_found,
     PayloadTooLarge: on_too_large,
     Overloaded: on_overloaded,
 }

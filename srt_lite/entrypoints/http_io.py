@@ -44,6 +44,11 @@ def sse(obj: Any) -> bytes:
     return b"data: " + orjson.dumps(obj) + b"\n\n"
 
 
+def sse_event(name: str, obj: Any) -> bytes:
+    """A server-sent event with its name (the Responses and Anthropic streams name theirs)."""
+    return b"event: " + name.encode() + b"\ndata: " + orjson.dumps(obj) + b"\n\n"
+
+
 async def anext_or_none(it: AsyncIterator[T]) -> T | None:
     try:
         return await it.__anext__()

@@ -27,6 +27,13 @@ from srt_lite.entrypoints.http_io import SSE_DONE, anext_or_none, json_response,
 from srt_lite.entrypoints.openai.serving_chat import OpenAIServingChat, create_chat_completion
 from srt_lite.entrypoints.openai.serving_completions import OpenAIServingCompletion, create_completion
 from srt_lite.entrypoints.openai.serving_models import list_models, retrieve_model
+from srt_lite.entrypoints.openai.serving_responses import (
+    OpenAIServingResponses,
+    create_response,
+    delete_response,
+    list_input_items,
+    retrieve_response,
+)
 from srt_lite.managers.generate_request import normalize_generate_request
 from srt_lite.managers.tokenizer_manager import TokenizerManager
 from srt_lite.managers.validation import LogprobOptions, RequestError
@@ -256,6 +263,10 @@ def build_app(state: ServerState) -> Starlette:
         Route("/generate", generate, methods=["POST"]),
         Route("/v1/chat/completions", create_chat_completion, methods=["POST"]),
         Route("/v1/completions", create_completion, methods=["POST"]),
+        Route("/v1/responses", create_response, methods=["POST"]),
+        Route("/v1/responses/{response_id}", retrieve_response, methods=["GET"]),
+        Route("/v1/responses/{response_id}", delete_response, methods=["DELETE"]),
+        Route("/v1/responses/{response_id}/input_items", list_input_items, methods=["GET"]),
         Route("/v1/models", list_models, methods=["GET"]),
         Route("/v1/models/{model:path}", retrieve_model, methods=["GET"]),
     ]
@@ -266,6 +277,7 @@ def build_app(state: ServerState) -> Starlette:
         app.add_middleware(ApiKeyMiddleware, api_key=state.api_key)
     app.state.server = state
     app.state.openai_chat = OpenAIServingChat(state)
+    app.state.openai_responses = OpenAIServingResponses(state, app.state.openai_chat)
     app.state.openai_completions = OpenAIServingCompletion(state)
     return app
 
