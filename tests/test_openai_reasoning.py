@@ -130,3 +130,31 @@ def test_a_grammar_constrains_the_answer_after_free_reasoning(client, regex):
         extra_body={"regex": regex, "chat_template_kwargs": {"enable_thinking": False}},
     )
     assert re.fullmatch(regex, r.choices[0].message.content) and r.choices[0].message.model_extra.get("reasoning_content") is None
+
+
+def test_responses_api_returns_a_reasoning_item(client):
+    r = client.responses.create(model="tiny-reasoner", input=QUESTION, temperature=0, max_output_tokens=64)
+    kinds = [item.type for item in r.output]
+    assert kinds == ["reasoning", "message"]
+    assert r.output[0].content[0].text == REASONING and r.output_text == ANSWER
+    assert r.usage.output_tokens_details.reasoning_tokens > 0
+    events = list(client.responses.create(model="tiny-reasoner", input=QUESTION, temperature=0, max_output_tokens=64, stream=True))
+    thought = "".join(e.delta for e in events if e.type == "response.reasoning_text.delta")
+    said = "".join(e.delta for e in events if e.type == "response.output_text.delta")
+    assert (thought, said) == (REASONING, ANSWER)
+    assert [e.item.type for e in events if e.type == "response.output_item.done"] == ["reasoning", "message"]
+
+
+def test_messages_api_returns_a_thinking_block_with_x_api_key(server):
+    import anthropic
+    client = anthropic.Anthropic(base_url=server.base_url, api_key=KEY, max_retries=0, timeout=60)  # sends x-api-key
+    r = client.messages.create(model="tiny-reasoner", max_tokens=64, messages=MESSAGES, extra_body={"temperature": 0})
+    assert [b.type for b in r.content] == ["thinking", "text"]
+    assert r.content[0].thinking == REASONING and r.content[1].text == ANSWER
+    with client.messages.stream(model="tiny-reasoner", max_tokens=64, messages=MESSAGES, extra_body={"temperature": 0}) as s:
+        final = s.get_final_message()
+    assert [b.type for b in final.content] == ["thinking", "text"] and final.content[0].thinking == REASONING
+    wrong = anthropic.Anthropic(base_url=server.base_url, api_key="wrong", max_retries=0)
+    with pytest.raises(anthropic.AuthenticationError) as e:
+        wrong.messages.create(model="tiny-reasoner", max_tokens=8, messages=MESSAGES)
+    assert e.value.body["error"]["type"] == "authentication_error"

@@ -22,6 +22,8 @@ from starlette.requests import Request
 from starlette.responses import Response, StreamingResponse
 from starlette.routing import Route
 
+from srt_lite.entrypoints.anthropic.serving_messages import AnthropicServingMessages, count_tokens, create_message
+from srt_lite.entrypoints.anthropic.serving_messages import error_response as anthropic_error
 from srt_lite.entrypoints.errors import EXCEPTION_HANDLERS, error_response
 from srt_lite.entrypoints.http_io import SSE_DONE, anext_or_none, json_response, read_json, sse, until_disconnected
 from srt_lite.entrypoints.openai.serving_chat import OpenAIServingChat, create_chat_completion
@@ -232,17 +234,24 @@ def _version() -> str:
 
 
 class ApiKeyMiddleware:
-    """401 unless `Authorization: Bearer <key>` matches; /health stays open for probes."""
+    """401 unless `Authorization: Bearer <key>` or `x-api-key: <key>` (Anthropic's clients)
+    matches; /health stays open for probes."""
 
     def __init__(self, app, api_key: str):
         self.app = app
-        self.expected = f"Bearer {api_key}".encode()
+        self.key = api_key.encode()
 
     async def __call__(self, scope, receive, send) -> None:
         if scope["type"] == "http" and scope["path"] != "/health":
-            auth = dict(scope["headers"]).get(b"authorization", b"")
-            if not hmac.compare_digest(auth, self.expected):
-                response = error_response("Incorrect API key provided.", 401, "invalid_request_error", None, "invalid_api_key")
+            headers = dict(scope["headers"])
+            bearer = headers.get(b"authorization", b"")
+            given = bearer[len(b"Bearer ") :] if bearer.startswith(b"Bearer ") else headers.get(b"x-api-key", b"")
+            if not hmac.compare_digest(given, self.key):
+                message = "Incorrect API key provided."
+                if scope["path"].startswith("/v1/messages"):
+                    response = anthropic_error(message, 401, "authentication_error")
+                else:
+                    response = error_response(message, 401, "invalid_request_error", None, "invalid_api_key")
                 await response(scope, receive, send)
                 return
         await self.app(scope, receive, send)
@@ -267,6 +276,8 @@ def build_app(state: ServerState) -> Starlette:
         Route("/v1/responses/{response_id}", retrieve_response, methods=["GET"]),
         Route("/v1/responses/{response_id}", delete_response, methods=["DELETE"]),
         Route("/v1/responses/{response_id}/input_items", list_input_items, methods=["GET"]),
+        Route("/v1/messages", create_message, methods=["POST"]),
+        Route("/v1/messages/count_tokens", count_tokens, methods=["POST"]),
         Route("/v1/models", list_models, methods=["GET"]),
         Route("/v1/models/{model:path}", retrieve_model, methods=["GET"]),
     ]
@@ -278,6 +289,7 @@ def build_app(state: ServerState) -> Starlette:
     app.state.server = state
     app.state.openai_chat = OpenAIServingChat(state)
     app.state.openai_responses = OpenAIServingResponses(state, app.state.openai_chat)
+    app.state.anthropic_messages = AnthropicServingMessages(state, app.state.openai_chat)
     app.state.openai_completions = OpenAIServingCompletion(state)
     return app
 
