@@ -29,6 +29,7 @@ from srt_lite.entrypoints.http_io import SSE_DONE, anext_or_none, json_response,
 from srt_lite.entrypoints.openai.serving_chat import OpenAIServingChat, create_chat_completion
 from srt_lite.entrypoints.openai.serving_completions import OpenAIServingCompletion, create_completion
 from srt_lite.entrypoints.openai.serving_models import list_models, retrieve_model
+from srt_lite.entrypoints.openai.serving_tokenize import detokenize, tokenize
 from srt_lite.entrypoints.openai.serving_responses import (
     OpenAIServingResponses,
     create_response,
@@ -270,6 +271,8 @@ def build_app(state: ServerState) -> Starlette:
         Route("/flush_cache", flush_cache, methods=["GET", "POST"]),
         Route("/abort_request", abort_request, methods=["POST"]),
         Route("/generate", generate, methods=["POST"]),
+        Route("/tokenize", tokenize, methods=["POST"]),
+        Route("/detokenize", detokenize, methods=["POST"]),
         Route("/v1/chat/completions", create_chat_completion, methods=["POST"]),
         Route("/v1/completions", create_completion, methods=["POST"]),
         Route("/v1/responses", create_response, methods=["POST"]),
