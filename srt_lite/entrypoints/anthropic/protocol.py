@@ -12,7 +12,7 @@ from typing import Any, Literal, Union
 
 from pydantic import BaseModel, ConfigDict, Field
 
-from srt_lite.entrypoints.openai.protocol import ChatCompletionRequest
+from srt_lite.entrypoints.openai.protocol import ChatCompletionRequest, join_text_parts
 from srt_lite.managers.validation import RequestError
 
 
@@ -60,25 +60,10 @@ class MessagesRequest(CountTokensRequest):
     output_config: dict[str, Any] | None = None  # `format`: {"type": "json_schema", "schema": ...}
 
 
-def _text(blocks: Any, where: str) -> str:
-    """A string, or text blocks joined."""
-    if isinstance(blocks, str):
-        return blocks
-    if not isinstance(blocks, list):
-        raise RequestError(f"{where} must be a string or a list of text blocks")
-    parts = []
-    for j, block in enumerate(blocks):
-        if not isinstance(block, dict) or block.get("type") != "text" or not isinstance(block.get("text"), str):
-            kind = block.get("type") if isinstance(block, dict) else type(block).__name__
-            raise RequestError(f"{where}[{j}]: only text blocks are supported here, got {kind!r}")
-        parts.append(block["text"])
-    return "".join(parts)
-
-
 def to_chat_messages(req: CountTokensRequest) -> list[dict[str, Any]]:
     messages: list[dict[str, Any]] = []
     if req.system:
-        messages.append({"role": "system", "content": _text(req.system, "system")})
+        messages.append({"role": "system", "content": join_text_parts(req.system, "system")})
     for i, msg in enumerate(req.messages):
         where = f"messages[{i}].content"
         if isinstance(msg.content, str):
@@ -97,7 +82,7 @@ def to_chat_messages(req: CountTokensRequest) -> list[dict[str, Any]]:
             elif kind == "tool_result" and msg.role == "user":
                 if not isinstance(block.get("tool_use_id"), str):
                     raise RequestError(f"{where}[{j}]: a tool_result block needs a string tool_use_id")
-                content = _text(block.get("content", ""), f"{where}[{j}].content")
+                content = join_text_parts(block.get("content", ""), f"{where}[{j}].content")
                 if block.get("is_error"):
                     content = f"Error: {content}"
                 results.append({"role": "tool", "tool_call_id": block["tool_use_id"], "content": content})

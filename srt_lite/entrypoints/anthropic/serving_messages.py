@@ -21,7 +21,7 @@ from srt_lite.entrypoints.anthropic.protocol import CountTokensRequest, Messages
 from srt_lite.entrypoints.errors import ModelNotFound, NotFound, PayloadTooLarge
 from srt_lite.entrypoints.http_io import anext_or_none, json_response, read_json, sse_event
 from srt_lite.entrypoints.openai.chat_output import ChoiceOutput
-from srt_lite.entrypoints.openai.serving_base import abort_error, finish_reason
+from srt_lite.entrypoints.openai.serving_base import abort_error, collect_one, finish_reason
 from srt_lite.entrypoints.openai.serving_chat import ChatRun, OpenAIServingChat
 from srt_lite.entrypoints.openai.tools import plan_tools
 from srt_lite.managers.tokenizer_manager import Overloaded
@@ -154,13 +154,7 @@ class MessageBuilder:
     # ---- whole message ----------------------------------------------------------------------
 
     async def collect(self, choices: AsyncIterator) -> Response:
-        text, meta = "", {}
-        async for _, chunk in choices:
-            text += chunk["text"]
-            meta = chunk["meta_info"]
-        err = abort_error(meta)
-        if err:
-            raise RequestError(err)
+        text, meta = await collect_one(choices)
         msg = self.run.new_output().parse(text)
         if msg.reasoning:
             self.blocks.append({"type": "thinking", "thinking": msg.reasoning, "signature": ""})

@@ -12,6 +12,8 @@ from typing import Any, Literal, Union
 
 from pydantic import BaseModel, ConfigDict, Field, field_validator, model_validator
 
+from srt_lite.managers.validation import RequestError
+
 
 def random_id(prefix: str) -> str:
     return f"{prefix}-{uuid.uuid4().hex}"
@@ -118,6 +120,22 @@ class _SamplingFields(BaseModel):
         if isinstance(v, list) and len(v) > 16:
             raise ValueError("at most 16 stop sequences are allowed")
         return v
+
+
+def join_text_parts(content: Any, where: str, part_types: tuple[str, ...] = ("text",)) -> str:
+    """A string, or the text of a list of parts/blocks of `part_types` joined; anything else
+    is a RequestError naming `where`."""
+    if isinstance(content, str):
+        return content
+    if not isinstance(content, list):
+        raise RequestError(f"{where} must be a string or a list of text parts")
+    parts = []
+    for j, part in enumerate(content):
+        if not isinstance(part, dict) or part.get("type") not in part_types or not isinstance(part.get("text"), str):
+            kind = part.get("type") if isinstance(part, dict) else type(part).__name__
+            raise RequestError(f"{where}[{j}]: only text parts are supported here, got {kind!r}")
+        parts.append(part["text"])
+    return "".join(parts)
 
 
 class ChatMessage(BaseModel):

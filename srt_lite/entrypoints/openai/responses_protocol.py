@@ -14,7 +14,7 @@ from typing import Any, Literal, Union
 
 from pydantic import BaseModel, ConfigDict, Field, field_validator
 
-from srt_lite.entrypoints.openai.protocol import ChatCompletionRequest
+from srt_lite.entrypoints.openai.protocol import ChatCompletionRequest, join_text_parts
 from srt_lite.managers.validation import RequestError
 
 # Text part types a message's content may hold: the user's and, in replayed history, the model's.
@@ -103,7 +103,7 @@ def items_to_messages(items: list[dict[str, Any]]) -> list[dict[str, Any]]:
             role = item.get("role")
             if role not in ("user", "system", "developer", "assistant"):
                 raise RequestError(f"{where}.role must be user, system, developer or assistant, got {role!r}")
-            messages.append({"role": role, "content": _message_text(item.get("content"), where)})
+            messages.append({"role": role, "content": join_text_parts(item.get("content"), f"{where}.content", TEXT_PARTS)})
         elif kind == "function_call":
             for key in ("call_id", "name", "arguments"):
                 if not isinstance(item.get(key), str):
@@ -118,27 +118,13 @@ def items_to_messages(items: list[dict[str, Any]]) -> list[dict[str, Any]]:
             if not isinstance(item.get("call_id"), str):
                 raise RequestError(f"{where}.call_id must be a string")
             output = item.get("output")
-            text = output if isinstance(output, str) else _message_text(output, f"{where}.output")
+            text = output if isinstance(output, str) else join_text_parts(output, f"{where}.output", TEXT_PARTS)
             messages.append({"role": "tool", "tool_call_id": item["call_id"], "content": text})
         elif kind == "reasoning":
             continue
         else:
             raise RequestError(f"{where}.type {kind!r} is not supported (message, function_call, function_call_output, reasoning)")
     return messages
-
-
-def _message_text(content: Any, where: str) -> str:
-    if isinstance(content, str):
-        return content
-    if not isinstance(content, list):
-        raise RequestError(f"{where}.content must be a string or a list of text parts")
-    parts = []
-    for j, part in enumerate(content):
-        if not isinstance(part, dict) or part.get("type") not in TEXT_PARTS or not isinstance(part.get("text"), str):
-            kind = part.get("type") if isinstance(part, dict) else type(part).__name__
-            raise RequestError(f"{where}.content[{j}]: only text parts are supported, got {kind!r}")
-        parts.append(part["text"])
-    return "".join(parts)
 
 
 def chat_tools(tools: list[dict[str, Any]] | None) -> list[dict[str, Any]] | None:

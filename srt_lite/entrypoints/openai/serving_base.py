@@ -14,7 +14,7 @@ from srt_lite.entrypoints.openai.serving_models import check_model
 from srt_lite.entrypoints.openai.structured import Grammar
 from srt_lite.managers.choices import numbered_rids
 from srt_lite.managers.tokenizer_manager import TokenizerManager
-from srt_lite.managers.validation import LogprobOptions
+from srt_lite.managers.validation import LogprobOptions, RequestError
 from srt_lite.sampling.sampling_params import SamplingParams
 
 if TYPE_CHECKING:
@@ -100,6 +100,19 @@ class OpenAIServingBase:
         `reasoning`: where a grammar starts (TokenizedGenerateReqInput.reasoning)."""
         rids = numbered_rids(rid, len(prompts) * params.n)
         return self.tm.generate_choices(prompts, [params] * len(prompts), logprobs, rids, stream=True, reasoning=reasoning)
+
+
+async def collect_one(choices: AsyncIterator[tuple[int, dict]]) -> tuple[str, dict]:
+    """(the whole text, the last meta_info) of a one-choice run; an abort that carries a
+    message (a rejected request, a dead scheduler) raises it as a RequestError."""
+    text, meta = "", {}
+    async for _, chunk in choices:
+        text += chunk["text"]
+        meta = chunk["meta_info"]
+    err = abort_error(meta)
+    if err:
+        raise RequestError(err)
+    return text, meta
 
 
 def finish_reason(meta: dict) -> tuple[str | None, Any]:

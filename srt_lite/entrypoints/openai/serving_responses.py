@@ -22,7 +22,7 @@ from srt_lite.entrypoints.openai.chat_output import ChoiceOutput, ParsedMessage
 from srt_lite.entrypoints.openai.protocol import now
 from srt_lite.entrypoints.openai.response_store import ResponseStore, StoredResponse
 from srt_lite.entrypoints.openai.responses_protocol import ResponsesRequest, input_items, item_id, to_chat
-from srt_lite.entrypoints.openai.serving_base import abort_error, finish_reason
+from srt_lite.entrypoints.openai.serving_base import abort_error, collect_one, finish_reason
 from srt_lite.entrypoints.openai.serving_chat import ChatRun, OpenAIServingChat
 from srt_lite.managers.validation import RequestError
 
@@ -171,13 +171,7 @@ class Turn:
     # ---- whole response ---------------------------------------------------------------------
 
     async def collect(self, choices: AsyncIterator) -> Response:
-        text, meta = "", {}
-        async for _, chunk in choices:
-            text += chunk["text"]
-            meta = chunk["meta_info"]
-        err = abort_error(meta)
-        if err:
-            raise RequestError(err)
+        text, meta = await collect_one(choices)
         msg: ParsedMessage = self.run.new_output().parse(text)
         if msg.reasoning:
             self.reasoning_text = msg.reasoning
