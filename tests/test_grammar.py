@@ -88,6 +88,36 @@ def test_matchers_allow_exactly_the_grammars_texts(tokenizer, backend, kind, gra
     assert not ok
 
 
+NUMBERS = {
+    "type": "object",
+    "properties": {
+        "n": {"type": "integer"}, "x": {"type": "number"}, "r": {"type": "number", "minimum": 0},
+        "code": {"type": "string", "pattern": "^[0-9]+$"}, "tag": {"type": "string", "maxLength": 3},
+    },
+    "required": ["n", "x", "r", "code", "tag"],
+}
+
+
+@pytest.mark.parametrize(
+    "text, ok",
+    [
+        ('{"n": -1234567890123456, "x": 1.1234567890123456e-123, "r": 1234567890123456.5, "code": "123456789012345678901", "tag": "abc"}', True),
+        ('{"n": 12345678901234567, "x": 1, "r": 1, "code": "1", "tag": "a"}', False),  # 17 integer digits
+        ('{"n": 1, "x": 1.12345678901234567, "r": 1, "code": "1", "tag": "a"}', False),  # 17 fraction digits
+        ('{"n": 1, "x": 1e1234, "r": 1, "code": "1", "tag": "a"}', False),  # 4 exponent digits
+        ('{"n": 1, "x": 1, "r": 12345678901234567, "code": "1", "tag": "a"}', False),  # a ranged number too
+        ('{"n": 1, "x": 1, "r": 1, "code": "1", "tag": "abcd"}', False),  # maxLength still holds
+    ],
+)
+def test_json_numbers_are_bounded_where_a_double_ends(tokenizer, text, ok):
+    """xgrammar's JSON grammar caps integer and fraction digits at 16 and exponent digits at 3,
+    so a model that repeats a digit cannot write until max_tokens; a string's own pattern
+    (digits included) is not capped."""
+    backend = backend_class("xgrammar")(tokenizer, VOCAB, [EOS])
+    m, accepted = run_text(tokenizer, backend, "json_schema", json.dumps(NUMBERS), text)
+    assert accepted == ok and (not ok or m.is_terminated())
+
+
 def test_padded_vocabulary_rows_are_never_allowed(tokenizer):
     """The model's logits may be wider than the tokenizer's vocabulary: the padding is masked."""
     padded = VOCAB + 64

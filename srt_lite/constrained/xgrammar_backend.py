@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import re
 from typing import Any
 
 import orjson
@@ -13,6 +14,45 @@ from srt_lite.constrained.base import GrammarBackend, GrammarError, GrammarMatch
 # allowing any whitespace lets small models loop on newlines until max_tokens, which is
 # why vLLM grew a flag to turn it off.
 _JSON_OPTIONS = {"any_whitespace": False, "strict_mode": True}
+
+# JSON gives no meaning to digits a double cannot hold, yet its grammar lets a number grow
+# without end, and a small model that starts repeating a digit writes "1111..." until
+# max_tokens. The grammar a schema compiles to is bounded (llama.cpp's caps integer digits
+# at 16 too): an integer part of at most 16 digits, a fraction of at most 16, an exponent of
+# at most 3. xgrammar writes number rules as `[1-9] [0-9]*` and digit rules repeated
+# `{1, -1}`; a user's `pattern` stays inside a Regex("...") call and is not touched.
+MAX_INT_DIGITS = 16
+MAX_FRACTION_DIGITS = 16
+MAX_EXPONENT_DIGITS = 3
+_RULE = re.compile(r"^(\S+) ::= (.*)$")
+_DIGIT_RULE_BODY = "(([0-9]))"
+
+
+def bound_number_digits(ebnf: str) -> str:
+    """xgrammar's EBNF for a JSON schema with every number's digits bounded (see above)."""
+    lines = ebnf.splitlines()
+    rules = [_RULE.match(line) for line in lines]
+    digit_rules = [m.group(1) for m in rules if m and m.group(2) == _DIGIT_RULE_BODY]
+    out = []
+    for line, m in zip(lines, rules):
+        if m is None or "Regex(" in m.group(2):
+            out.append(line)
+            continue
+        name, body = m.groups()
+        body = body.replace("[1-9] [0-9]*", f"[1-9] [0-9]{{0, {MAX_INT_DIGITS - 1}}}")
+        # Digits after a leading [1-9] are an integer part (of a number with a range); the
+        # others are a fraction, or an exponent in the rule that holds [eE].
+        most = MAX_EXPONENT_DIGITS if "[eE]" in body else MAX_FRACTION_DIGITS
+        for digits in digit_rules:
+            body = re.sub(rf"(\[1-9\] ){re.escape(digits)}\{{[01], -1\}}", rf"\g<1>{digits}{{0, {MAX_INT_DIGITS - 1}}}", body)
+            body = body.replace(f"{digits}{{1, -1}}", f"{digits}{{1, {most}}}").replace(f"{digits}{{0, -1}}", f"{digits}{{0, {most}}}")
+        out.append(f"{name} ::= {body}")
+    return "\n".join(out)
+
+
+def json_schema_grammar(xgr: Any, text: str) -> str:
+    """The EBNF that a JSON schema compiles to here: xgrammar's, with bounded numbers."""
+    return bound_number_digits(str(xgr.Grammar.from_json_schema(text, **_JSON_OPTIONS)))
 
 
 class XGrammarMatcher(GrammarMatcher):
@@ -48,7 +88,7 @@ class XGrammarBackend(GrammarBackend):
 
         try:
             if kind == "json_schema":
-                xgr.Grammar.from_json_schema(text, **_JSON_OPTIONS)
+                xgr.Grammar.from_ebnf(json_schema_grammar(xgr, text))
             elif kind == "regex":
                 xgr.Grammar.from_regex(text)
             elif kind == "ebnf":
@@ -65,7 +105,7 @@ class XGrammarBackend(GrammarBackend):
     def compile(self, kind: str, text: str) -> Any:
         try:
             if kind == "json_schema":
-                return self.compiler.compile_json_schema(text, **_JSON_OPTIONS)
+                return self.compiler.compile_grammar(json_schema_grammar(self.xgr, text))
             if kind == "regex":
                 return self.compiler.compile_regex(text)
             if kind == "ebnf":
