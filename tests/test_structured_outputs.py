@@ -8,6 +8,7 @@ import json
 
 import jsonschema
 import pytest
+from pydantic import BaseModel, Field
 
 from openai_helpers import MODEL, assert_kv_idle, client_for, default_server, post_error
 
@@ -147,3 +148,37 @@ def test_concurrent_half_constrained_requests_leave_the_free_ones_unchanged(clie
     assert {i: together[i] for i in range(0, 8, 2)} == alone
     for i in range(1, 8, 2):
         jsonschema.validate(json.loads(together[i]), PERSON)
+
+
+class City(BaseModel):
+    name: str = Field(max_length=20)
+    population_millions: float
+
+
+@pytest.mark.parametrize("mode", ["TOOLS", "JSON_SCHEMA"])
+def test_instructor_returns_a_model_with_a_float(server, mode):
+    """A float field used to let the model write digits until max_tokens (instructor then
+    raises IncompleteOutputException): the grammar bounds a number's digits."""
+    import instructor
+
+    client = instructor.from_openai(client_for(server), mode=getattr(instructor.Mode, mode))
+    city = client.chat.completions.create(
+        model=MODEL, response_model=City, messages=[{"role": "user", "content": "Describe the city of Tokyo."}],
+        temperature=0, max_tokens=200, max_retries=0,
+    )
+    assert isinstance(city, City) and isinstance(city.population_millions, float)
+
+
+def test_pydantic_ai_agent_returns_a_model_with_a_float(server):
+    from pydantic_ai import Agent
+    from pydantic_ai.models.openai import OpenAIChatModel
+    from pydantic_ai.providers.openai import OpenAIProvider
+
+    model = OpenAIChatModel(MODEL, provider=OpenAIProvider(base_url=server.base_url + "/v1", api_key="unused"))
+    # With parallel calls allowed, tool_choice "required" admits an array of calls, and the
+    # small model repeats its final_result call until max_tokens (pydantic-ai keeps the first).
+    settings = {"temperature": 0, "max_tokens": 200, "parallel_tool_calls": False}
+    agent = Agent(model, output_type=City, model_settings=settings)
+    result = agent.run_sync("Describe the city of Tokyo.")
+    assert isinstance(result.output, City) and isinstance(result.output.population_millions, float)
+    assert result.usage.output_tokens < 200  # it ended on its own, not at max_tokens
