@@ -67,6 +67,13 @@ class ServerArgs:
     chat_template: str | None = _arg(
         None, "A Jinja chat template file that replaces the model's own.", "HTTP server"
     )
+    completion_template: str | None = _arg(
+        None,
+        "Fill-in-the-middle template for /v1/completions with suffix: qwen_coder, star_coder, "
+        "deepseek_coder, or a JSON file (fim_begin_token, fim_middle_token, fim_end_token, "
+        "fim_position END|MIDDLE). Default: detected from the tokenizer's FIM tokens.",
+        "HTTP server",
+    )
     reasoning_parser: str | None = _arg(
         None, "Split <think>...</think> into reasoning_content.", "HTTP server", choices=["qwen3", "deepseek-r1"]
     )

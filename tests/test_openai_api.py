@@ -198,6 +198,8 @@ def test_cached_tokens_reported(client):
         ("/v1/completions", {"prompt": [1, "a"]}, 400),
         ("/v1/completions", {"prompt": "x", "stream": True, "max_tokens": -1}, 400),
         ("/v1/completions", {}, 400),
+        # The default model's tokenizer has no fill-in-the-middle tokens.
+        ("/v1/completions", {"prompt": "def f():", "suffix": "return 1"}, 400),
     ],
 )
 def test_errors_in_openai_format(server, path, body, status):

@@ -2,13 +2,14 @@
 
 from __future__ import annotations
 
-from typing import Any, AsyncIterator
+from typing import TYPE_CHECKING, Any, AsyncIterator
 
 from starlette.requests import Request
 from starlette.responses import Response
 
 from srt_lite.entrypoints.errors import stream_error
 from srt_lite.entrypoints.http_io import SSE_DONE, anext_or_none, json_response, read_json, sse
+from srt_lite.entrypoints.openai.fim import resolve_template
 from srt_lite.entrypoints.openai.protocol import CompletionRequest, now, random_id
 from srt_lite.entrypoints.openai.serving_base import (
     OpenAIServingBase,
@@ -20,6 +21,9 @@ from srt_lite.entrypoints.openai.serving_base import (
 from srt_lite.entrypoints.openai.structured import check_grammar, request_grammar
 from srt_lite.managers.validation import LogprobOptions, RequestError
 
+if TYPE_CHECKING:
+    from srt_lite.entrypoints.http_server import ServerState
+
 
 async def create_completion(request: Request) -> Response:
     """POST /v1/completions"""
@@ -28,8 +32,14 @@ async def create_completion(request: Request) -> Response:
 
 
 class OpenAIServingCompletion(OpenAIServingBase):
+    def __init__(self, state: "ServerState"):
+        super().__init__(state)
+        self.fim = resolve_template(self.tm.tokenizer, self.tm.server_args.completion_template)
+
     def prompts(self, req: CompletionRequest) -> list[list[int]]:
         p = req.prompt
+        if req.suffix is not None:
+            return [self.tm.tokenize(text) for text in self.fim_prompts(req)]
         if isinstance(p, str):
             return [self.tm.tokenize(p)]
         if all(isinstance(x, str) for x in p):
@@ -40,11 +50,22 @@ class OpenAIServingCompletion(OpenAIServingBase):
             return [list(x) for x in p]
         raise RequestError("prompt must be a string, a list of strings, token ids, or lists of token ids")
 
+    def fim_prompts(self, req: CompletionRequest) -> list[str]:
+        """The fill-in-the-middle prompt of each text prompt, with the request's suffix."""
+        if self.fim is None:
+            raise RequestError(
+                "suffix needs a model whose tokenizer has fill-in-the-middle tokens, or --completion-template"
+            )
+        if req.echo:
+            raise RequestError("echo cannot be used with suffix")
+        texts = [req.prompt] if isinstance(req.prompt, str) else req.prompt
+        if not all(isinstance(t, str) for t in texts):
+            raise RequestError("suffix needs the prompt as text, not token ids")
+        return [self.fim.render(t, req.suffix) for t in texts]
+
     async def create(self, request: Request, body: Any) -> Response:
         req = CompletionRequest.model_validate(body)
         self.check_model(req.model)
-        if req.suffix:
-            raise RequestError("suffix is not supported")
         grammar = request_grammar(req)
         check_grammar(self.tm, grammar)
         prompts = self.prompts(req)
