@@ -58,6 +58,11 @@ class Req:
     # which has accepted every output token; None without a grammar.
     grammar: Any = None
     reasoning: str | None = None  # TokenizedGenerateReqInput.reasoning
+    # Embedding requests: the pooling ("last" or "mean"), the running sum of the prompt's
+    # hidden states over chunks (mean), and the result once the prompt is computed.
+    pooling: str | None = None
+    hidden_sum: Any = None  # [hidden] float32
+    embedding: list[float] | None = None
     # lifecycle
     finished_reason: dict[str, Any] | None = None
     to_abort: bool = False

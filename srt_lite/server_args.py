@@ -58,6 +58,14 @@ class ServerArgs:
         "Model",
         choices=["gguf", "none"],
     )
+    embedding_pooling: str = _arg(
+        "last",
+        "How /v1/embeddings pools the last layer's hidden states of a prompt: its last token "
+        "(decoder embedding models such as Qwen3-Embedding) or the mean over its tokens; the "
+        "vector is L2-normalized.",
+        "Model",
+        choices=["last", "mean"],
+    )
     # HTTP server
     host: str = _arg("127.0.0.1", "Address to bind.", "HTTP server")
     port: int = _arg(30000, "Port to bind.", "HTTP server")

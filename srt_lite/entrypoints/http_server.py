@@ -28,6 +28,7 @@ from srt_lite.entrypoints.errors import EXCEPTION_HANDLERS, error_response
 from srt_lite.entrypoints.http_io import SSE_DONE, anext_or_none, json_response, read_json, sse, until_disconnected
 from srt_lite.entrypoints.openai.serving_chat import OpenAIServingChat, create_chat_completion
 from srt_lite.entrypoints.openai.serving_completions import OpenAIServingCompletion, create_completion
+from srt_lite.entrypoints.openai.serving_embeddings import create_embeddings
 from srt_lite.entrypoints.openai.serving_models import list_models, retrieve_model
 from srt_lite.entrypoints.openai.serving_tokenize import detokenize, tokenize
 from srt_lite.entrypoints.openai.serving_responses import (
@@ -279,6 +280,7 @@ def build_app(state: ServerState) -> Starlette:
         Route("/v1/responses/{response_id}", retrieve_response, methods=["GET"]),
         Route("/v1/responses/{response_id}", delete_response, methods=["DELETE"]),
         Route("/v1/responses/{response_id}/input_items", list_input_items, methods=["GET"]),
+        Route("/v1/embeddings", create_embeddings, methods=["POST"]),
         Route("/v1/messages", create_message, methods=["POST"]),
         Route("/v1/messages/count_tokens", count_tokens, methods=["POST"]),
         Route("/v1/models", list_models, methods=["GET"]),

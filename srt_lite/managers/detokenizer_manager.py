@@ -50,6 +50,7 @@ class DetokenizerManager:
             logprobs=msg.logprobs,
             queue_times=msg.queue_times,
             first_token_times=msg.first_token_times,
+            embeddings=msg.embeddings,
         )
         for i, rid in enumerate(msg.rids):
             state = self.states.get(rid)

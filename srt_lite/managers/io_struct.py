@@ -29,6 +29,9 @@ class TokenizedGenerateReqInput:
     # think block the prompt opened; "optional": the model may open one. The grammar starts
     # after the block. None: no reasoning, the grammar starts at once.
     reasoning: str | None = None
+    # An embedding request: its prompt is computed (max_new_tokens 0) and the last layer's
+    # hidden states are pooled (--embedding-pooling) into one L2-normalized vector.
+    embed: bool = False
 
 
 @dataclass
@@ -105,6 +108,8 @@ class BatchTokenIDOut:
     # time (time.time()) of its first output token; None until known.
     queue_times: list[float | None] = field(default_factory=list)
     first_token_times: list[float | None] = field(default_factory=list)
+    # Per request, its pooled embedding (embedding requests, once finished) or None.
+    embeddings: list[list[float] | None] = field(default_factory=list)
 
 
 @dataclass
@@ -121,6 +126,7 @@ class BatchStrOut:
     logprobs: list[dict | None]
     queue_times: list[float | None] = field(default_factory=list)
     first_token_times: list[float | None] = field(default_factory=list)
+    embeddings: list[list[float] | None] = field(default_factory=list)
 
 
 @dataclass

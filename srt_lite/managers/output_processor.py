@@ -12,6 +12,7 @@ import time
 from dataclasses import dataclass
 
 import torch
+import torch.nn.functional as F
 
 from srt_lite.managers.running_batch import RunningBatch
 from srt_lite.managers.scheduler_io import SchedulerIO
@@ -86,9 +87,15 @@ class OutputProcessor:
             req.kv_len += req.extend_len
             for key, values in result.input_logprobs.get(row, {}).items():
                 req.input_logprobs.setdefault(key, []).extend(values)
+            if req.pooling == "mean":
+                part = result.pooled[row]  # [hidden]
+                req.hidden_sum = part if req.hidden_sum is None else req.hidden_sum + part
             if req.kv_len < req.seq_len:  # a chunk that did not reach the end of the prompt
                 self.kv.cache_unfinished(req)
                 continue
+            if req.pooling is not None:
+                pooled = req.hidden_sum / req.seq_len if req.pooling == "mean" else result.pooled[row]
+                req.embedding = F.normalize(pooled, dim=0).tolist()
             if req.sampling_params.max_new_tokens == 0:
                 req.finish("length", length=0)  # prefill only (e.g. to warm the cache for n > 1)
             else:

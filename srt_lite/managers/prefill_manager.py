@@ -150,6 +150,7 @@ class PrefillManager:
             # its max_new_tokens while memory it could use sits in a half-done prompt.
             self.chunked_req = None
             self.kv.release(chunk)
+            chunk.hidden_sum = None  # a mean-pooled prompt is computed again from its start
             chunk.retracted += 1
             self.num_retractions += 1
             retracted.append(chunk)

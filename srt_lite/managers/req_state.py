@@ -47,6 +47,7 @@ class ReqState:
     first_token_time: float | None = None
     internal: bool = False  # the server's own request (n > 1 warm-up, health probe): not counted
     logprob_opts: LogprobOptions = NO_LOGPROBS
+    embedding: list[float] | None = None  # an embedding request's vector, once computed
 
     def apply(self, msg: BatchStrOut, i: int, metrics: MetricsCollector | None) -> None:
         """Takes row i of a detokenizer message and wakes the request's consumer."""
@@ -59,6 +60,8 @@ class ReqState:
                 self.logprobs.setdefault(key, []).extend(values)
         if metrics is not None and not self.internal:
             self._record_metrics(msg, i, metrics)
+        if msg.embeddings and msg.embeddings[i] is not None:
+            self.embedding = msg.embeddings[i]
         if msg.finished_reasons[i] is not None:
             self.finished_reason = msg.finished_reasons[i]
         self.event.set()
@@ -110,6 +113,8 @@ class ReqState:
         }
         if self.logprob_opts.return_logprob:
             meta.update(self._logprob_fields(incremental, tokenizer))
+        if self.embedding is not None:
+            meta["embedding"] = self.embedding
         return {"text": text, "output_ids": ids, "meta_info": meta}
 
     def _logprob_fields(self, incremental: bool, tokenizer: Any) -> dict[str, list]:

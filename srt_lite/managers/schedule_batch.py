@@ -40,4 +40,5 @@ class ScheduleBatch:
             out_cache_loc=out_cache_loc,
             device=device,
             return_all_logits=return_all_logits,
+            pool=next((r.pooling for r in self.reqs[nd:] if r.pooling), None),
         )

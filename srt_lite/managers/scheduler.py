@@ -240,6 +240,8 @@ class Scheduler:
         req.logprob_start_len = msg.logprob_start_len
         req.top_logprobs_num = msg.top_logprobs_num
         req.token_ids_logprob = msg.token_ids_logprob
+        if msg.embed:
+            req.pooling = self.server_args.embedding_pooling
         if req.sampling_params.grammar is not None:
             req.reasoning = msg.reasoning
             self.grammars.add(req)

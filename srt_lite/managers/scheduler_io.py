@@ -94,6 +94,7 @@ class SchedulerIO:
             out.no_stop_trim.append(p.no_stop_trim)
             out.queue_times.append(r.queue_time)
             out.first_token_times.append(r.first_token_time)
+            out.embeddings.append(r.embedding)
         if out.rids and self.is_entry_rank:
             self.send_to_detokenizer.send(io_struct.encode(out))
 

@@ -190,10 +190,12 @@ class TokenizerManager:
         logprobs: LogprobOptions = NO_LOGPROBS,
         internal: bool = False,
         reasoning: str | None = None,
+        embed: bool = False,
     ) -> AsyncIterator[dict]:
         """Yields output dicts: for a stream, one per arriving delta (`text` and `output_ids`
         hold the new part only); otherwise one dict with the whole result. Closing the
-        generator early aborts the request."""
+        generator early aborts the request. `embed`: an embedding request (see
+        TokenizedGenerateReqInput.embed); its vector is meta_info["embedding"]."""
         if params.seed is None and self.default_seed is not None:
             params = dataclasses.replace(params, seed=self.default_seed)
         state = self._admit(input_ids, params, rid, logprobs, internal)
@@ -204,6 +206,7 @@ class TokenizerManager:
             top_logprobs_num=logprobs.top_logprobs_num,
             token_ids_logprob=logprobs.token_ids_logprob,
             reasoning=reasoning,
+            embed=embed,
         )
         try:
             await self.send_to_scheduler.send(io_struct.encode(msg))

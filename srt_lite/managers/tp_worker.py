@@ -30,6 +30,7 @@ class GenerationResult:
     # Speculative decoding: row -> the new tokens of a request that had draft tokens
     # (the accepted draft prefix plus the model's token after it).
     accepted: dict[int, list[int]] = field(default_factory=dict)
+    pooled: torch.Tensor | None = None  # [B, hidden] float32 for a batch with embedding requests
 
 
 class TpModelWorker:
@@ -67,7 +68,7 @@ class TpModelWorker:
         input_logprobs = {}
         if prompt_rows:
             input_logprobs = self.input_logprobs(batch, prompt_rows, out.all_logits)
-        return GenerationResult(sample, input_logprobs, accepted)
+        return GenerationResult(sample, input_logprobs, accepted, out.pooled)
 
     def verify(
         self, logits: torch.Tensor, reqs: list[Req], infos: list[SamplingBatchInfo]

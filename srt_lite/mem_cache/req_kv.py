@@ -139,6 +139,8 @@ class ReqKVManager:
     def _match_key(req: Req) -> list[int]:
         # Leave at least one token to compute: its logits give the next token.
         key = req.fill_ids[:-1]
+        if req.pooling == "mean":
+            return []  # a mean needs every token's hidden state, so every token is computed
         if req.return_logprob and req.logprob_start_len >= 0 and not req.output_ids:
             # Prompt logprobs need logits from position logprob_start_len - 1 on, so the
             # cached part may not reach past it.

@@ -47,6 +47,9 @@ class ForwardBatch:
     # Tokens whose logits the sampler needs, when some request wants more than its last one
     # (speculative decoding verifies every draft position); None = each request's last token.
     logit_index: torch.Tensor | None = None  # [R] int64 token indices
+    # Embedding requests in the batch: how the logits processor also pools each request's
+    # final hidden states ("last": its last new token; "mean": the sum over its new tokens).
+    pool: str | None = None
     # Filled by the attention backend's init_forward_metadata.
     attn_metadata: Any = None
 
@@ -65,6 +68,7 @@ class ForwardBatch:
         device: str,
         return_all_logits: bool = False,
         num_logits: list[int] | None = None,
+        pool: str | None = None,
     ) -> "ForwardBatch":
         """Builds the tensors from host lists; positions continue each request's prefix.
         num_logits[b]: how many of request b's last new tokens need logits (default 1)."""
@@ -75,7 +79,7 @@ class ForwardBatch:
             logit_index = torch.tensor(
                 [t for end, n in zip(ends, num_logits) for t in range(end - n, end)], dtype=torch.int64, device=device
             )
-        decode = all(e == 1 for e in extend_lens) and not return_all_logits
+        decode = all(e == 1 for e in extend_lens) and not return_all_logits and pool is None
         positions = torch.cat(
             [torch.arange(p, p + e, dtype=torch.int64) for p, e in zip(prefix_lens, extend_lens)]
         ) if not decode else torch.tensor(prefix_lens, dtype=torch.int64)
@@ -92,4 +96,5 @@ class ForwardBatch:
             extend_prefix_lens_cpu=list(prefix_lens),
             return_all_logits=return_all_logits,
             logit_index=logit_index,
+            pool=pool,
         )

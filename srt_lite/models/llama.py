@@ -6,6 +6,7 @@ The decoder layer takes two switches that the Qwen families reuse: `qkv_bias` (Q
 
 from __future__ import annotations
 
+import logging
 from typing import Iterable
 
 import torch
@@ -21,6 +22,8 @@ from srt_lite.layers.rotary_embedding import RotaryEmbedding
 from srt_lite.model_executor.forward_batch import ForwardBatch
 from srt_lite.models.cpp_decoder import CppDecoderStack
 from srt_lite.model_loader.weight_utils import InMemory, TensorSource
+
+logger = logging.getLogger(__name__)
 
 
 class LlamaMLP(nn.Module):
@@ -217,6 +220,10 @@ class LlamaForCausalLM(nn.Module):
                 continue
             if name == "lm_head.weight" and self.tie_word_embeddings:
                 continue
+            if not name.startswith(("model.", "lm_head.")):
+                # A base model's checkpoint (an embedding model such as Qwen3-Embedding saved
+                # from Qwen3Model) names its tensors without the "model." prefix.
+                name = "model." + name
             name, shard_id = self._route(name)
             if name not in params:
                 raise KeyError(f"checkpoint tensor {name!r} has no place in {type(self).__name__}")
@@ -229,6 +236,12 @@ class LlamaForCausalLM(nn.Module):
             if hasattr(module, "finish_gguf"):
                 module.finish_gguf()
         missing = set(params) - loaded
+        if missing == {"lm_head.weight"}:
+            # A base model has no LM head: it serves embeddings; generation goes through the
+            # input embeddings as a tied head would, which is what such a model can offer.
+            logger.warning("The checkpoint has no lm_head: using the input embeddings as the output head")
+            params["lm_head.weight"].data.copy_(params["model.embed_tokens.weight"].data)
+            missing = set()
         if missing:
             raise ValueError(f"weights missing from the checkpoint: {sorted(missing)[:5]}")
 

@@ -12,6 +12,10 @@ def _all_models() -> dict[str, type]:
     for mod in _MODULES:
         for cls in importlib.import_module(f"srt_lite.models.{mod}").EntryClass:
             out[cls.__name__] = cls
+            # The base model (an embedding checkpoint saved from, say, Qwen3Model) loads into
+            # the same class: its tensors lack the "model." prefix and the LM head, which the
+            # loader allows (LlamaForCausalLM.load_weights).
+            out[cls.__name__.replace("ForCausalLM", "Model")] = cls
     return out
 
 
