@@ -53,6 +53,7 @@ EXPECT = {
     "/v1/completions -H": "Paris",
     "/generate -d": "Paris",
     "srt_lite.Engine()": "Paris",
+    "anthropic.Anthropic(": "Paris",
     "reasoning_content": "reasoning: \nThe user asks 2+2. That is 4.\n\nanswer: The answer is 4.",
     "/metrics": "srt_lite:num_requests_total",
     "run_workloads.sh": "Successful requests:",
