@@ -6,8 +6,9 @@ the radix cache) against each turn sending the whole history as input items.
     .venv/bin/python benchmarks/bench_responses_chain.py --base-url http://127.0.0.1:30000
 
 Each mode runs --rounds conversations of --turns turns, greedy, streaming; TTFT is the time
-from sending a turn to its first `response.output_text.delta`. The two modes alternate by
-round, and every round's conversation starts with its own system text, so no round finds
+from sending a turn to its first `response.output_text.delta`. A third mode sends the whole
+history after flushing the cache before every turn (what no prefix reuse would cost). The
+modes take turns in a rotating order, and every round's conversation starts with its own system text, so no round finds
 another round's turns in the cache: what a chained turn reuses is its own conversation's.
 """
 
@@ -48,7 +49,7 @@ def ttft(client: httpx.Client, body: dict) -> tuple[float, dict]:
     return (first if first is not None else time.perf_counter() - start), final
 
 
-def conversation(client: httpx.Client, chained: bool, turns: int, tag: int, max_tokens: int) -> list[float]:
+def conversation(client: httpx.Client, chained: bool, turns: int, tag: int, max_tokens: int, flush: bool = False) -> list[float]:
     system = f"Conversation {tag}. You are a helpful travel assistant who answers briefly."
     history: list[dict] = []
     previous = None
@@ -60,6 +61,8 @@ def conversation(client: httpx.Client, chained: bool, turns: int, tag: int, max_
         else:
             history.append({"role": "user", "content": q})
             body.update(input=list(history), store=False)
+        if flush:
+            client.post("/flush_cache").raise_for_status()
         t, final = ttft(client, body)
         times.append(t)
         previous = final["id"]
@@ -76,18 +79,18 @@ def main() -> None:
     ap.add_argument("--max-tokens", type=int, default=48)
     args = ap.parse_args()
     client = httpx.Client(base_url=args.base_url, timeout=600)
-    by_mode: dict[str, list[list[float]]] = {"chained": [], "full history": []}
+    modes = ["chained", "full history", "full history, cache flushed"]
+    by_mode: dict[str, list[list[float]]] = {m: [] for m in modes}
     for r in range(args.rounds):
-        for mode in (("chained", "full history") if r % 2 == 0 else ("full history", "chained")):
-            tag = 2 * r + (mode == "chained")
-            by_mode[mode].append(conversation(client, mode == "chained", args.turns, tag, args.max_tokens))
+        for k, mode in enumerate(modes[r % 3:] + modes[: r % 3]):
+            tag = 3 * r + k
+            by_mode[mode].append(conversation(client, mode == "chained", args.turns, tag, args.max_tokens, flush="flushed" in mode))
     print(f"TTFT per turn, median over {args.rounds} conversations (ms)")
-    print("| turn | chained (previous_response_id) | full history as input | ratio |")
+    print("| turn | chained (previous_response_id) | full history as input | full history, cache flushed |")
     print("| --- | --- | --- | --- |")
     for t in range(args.turns):
-        a = statistics.median(c[t] for c in by_mode["chained"]) * 1e3
-        b = statistics.median(c[t] for c in by_mode["full history"]) * 1e3
-        print(f"| {t + 1} | {a:.1f} | {b:.1f} | {b / a:.2f}x |")
+        a, b, c = (statistics.median(conv[t] for conv in by_mode[m]) * 1e3 for m in modes)
+        print(f"| {t + 1} | {a:.1f} | {b:.1f} | {c:.1f} |")
 
 
 if __name__ == "__main__":
