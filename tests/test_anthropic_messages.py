@@ -12,7 +12,7 @@ import httpx
 import jsonschema
 import pytest
 
-from openai_helpers import MODEL, assert_kv_idle, default_server
+from openai_helpers import MODEL, assert_kv_idle, default_server, load
 
 GREEDY = {"temperature": 0}
 QUESTION = [{"role": "user", "content": "What is the capital of France?"}]
@@ -120,3 +120,32 @@ def test_errors_in_anthropic_shape(client, server):
     with pytest.raises(anthropic.BadRequestError):
         client.messages.create(model=MODEL, max_tokens=10, messages=[{"role": "user", "content": [{"type": "document", "source": {}}]}])
     assert_kv_idle(server)
+
+
+def test_clients_that_go_away_free_their_kv(server):
+    """Streams of /v1/messages and /v1/responses cut after a few events, and whole-response
+    requests (messages, responses, embeddings) whose client gives up: every request is
+    aborted and the server holds no KV."""
+    long = {"model": MODEL, "max_tokens": 400, "messages": QUESTION, "ignore_eos": True}
+    cases = [
+        ("/v1/messages", {**long, "stream": True}, True),
+        ("/v1/responses", {"model": MODEL, "input": "Tell a story.", "max_output_tokens": 400, "stream": True}, True),
+        ("/v1/messages", long, False),
+        ("/v1/responses", {"model": MODEL, "input": "Tell a story.", "max_output_tokens": 400}, False),
+        ("/v1/embeddings", {"model": MODEL, "input": [f"{i} " + "word " * 300 for i in range(64)]}, False),
+    ]
+    for path, body, stream in cases:
+        aborted = load(server)["num_aborted_reqs"]
+        if stream:
+            with httpx.stream("POST", server.base_url + path, json=body, timeout=60) as r:
+                assert r.status_code == 200
+                for k, _ in enumerate(r.iter_lines()):
+                    if k >= 6:
+                        break
+        else:
+            with pytest.raises(httpx.TimeoutException):
+                httpx.post(server.base_url + path, json=body, timeout=0.5)
+        assert_kv_idle(server, timeout=30)
+        assert load(server)["num_aborted_reqs"] > aborted, path
+    r = httpx.post(server.base_url + "/v1/messages", json={"model": MODEL, "max_tokens": 8, "messages": QUESTION}, timeout=60)
+    assert r.status_code == 200

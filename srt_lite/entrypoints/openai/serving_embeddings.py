@@ -12,6 +12,7 @@ from __future__ import annotations
 import asyncio
 import base64
 import math
+from contextlib import aclosing
 from typing import Any, Union
 
 import numpy as np
@@ -52,8 +53,11 @@ async def create_embeddings(request: Request) -> Response:
 
     async def one(ids: list[int]) -> dict:
         out: dict = {}
-        async for out in tm.generate(ids, params, embed=True):
-            pass
+        # aclosing: a cancelled request (client gone) closes its generator now, which aborts
+        # it in the scheduler, instead of whenever the generator is collected.
+        async with aclosing(tm.generate(ids, params, embed=True)) as outputs:
+            async for out in outputs:
+                pass
         err = abort_error(out["meta_info"])
         if err:
             raise RequestError(err)
