@@ -20,6 +20,15 @@ def _arg(default: Any, help: str, group: str, choices: list | None = None, **ext
     )
 
 
+# What an unset --chunked-prefill-size means on each device (see its help).
+CHUNKED_PREFILL_DEFAULT = {"cpu": 512, "cuda": 8192}
+# Server warm-up: decode batches up to this many requests, and one prompt chunk up to this
+# many tokens (the first use of a shape is much slower than later ones; larger chunks are
+# rare enough to pay that once).
+WARMUP_MAX_DECODE_BATCH = 16
+WARMUP_MAX_CHUNK = 512
+
+
 GROUP_ORDER = [
     "Model", "HTTP server", "Structured outputs", "Memory and scheduling", "Speculative decoding", "Runtime",
     "Multi-node", "Logging",
@@ -335,6 +344,16 @@ class ServerArgs:
         return range(self.node_rank * n, (self.node_rank + 1) * n)
 
     # ---- command line ------------------------------------------------------------------
+
+    def chunk_size_for(self, device: str) -> int:
+        """--chunked-prefill-size on `device`: the flag, else the device's default (-1: no
+        chunking)."""
+        return self.chunked_prefill_size or CHUNKED_PREFILL_DEFAULT["cpu" if device == "cpu" else "cuda"]
+
+    def warmup_sizes(self, max_running: int, chunk_size: int) -> tuple[int, int]:
+        """(largest decode batch, prompt chunk) that the server's warm-up runs."""
+        chunk = chunk_size if 0 < chunk_size <= WARMUP_MAX_CHUNK else WARMUP_MAX_CHUNK
+        return min(max_running, WARMUP_MAX_DECODE_BATCH), chunk
 
     @staticmethod
     def add_cli_args(parser: argparse.ArgumentParser) -> None:

@@ -82,3 +82,15 @@ def test_flashinfer_with_float32_is_refused_before_loading(monkeypatch):
         ServerArgs(attention_backend="flashinfer", dtype="float32", device="cuda").check()
     ServerArgs(attention_backend="flashinfer", dtype="bfloat16", device="cuda").check()
     ServerArgs(attention_backend="auto", dtype="float32", device="cuda").check()  # auto picks torch_native
+
+
+def test_device_defaults_resolve_in_server_args():
+    """An unset --chunked-prefill-size is 512 on the CPU and 8192 on CUDA; -1 and a set value
+    stay; warm-up runs decode batches up to 16 requests and one chunk of at most 512 tokens."""
+    args = ServerArgs()
+    assert (args.chunk_size_for("cpu"), args.chunk_size_for("cuda")) == (512, 8192)
+    assert ServerArgs(chunked_prefill_size=64).chunk_size_for("cuda") == 64
+    assert ServerArgs(chunked_prefill_size=-1).chunk_size_for("cpu") == -1
+    assert args.warmup_sizes(max_running=48, chunk_size=8192) == (16, 512)
+    assert args.warmup_sizes(max_running=4, chunk_size=64) == (4, 64)
+    assert args.warmup_sizes(max_running=4, chunk_size=-1) == (4, 512)

@@ -73,7 +73,7 @@ class Scheduler:
         self.device = runner.device
         self.context_len = self.model_config.context_len
         self.max_running = min(args.max_running_requests, runner.req_to_token_pool.size)
-        self.chunk_size = args.chunked_prefill_size or (512 if self.device == "cpu" else 8192)
+        self.chunk_size = args.chunk_size_for(self.device)
         self.drafter = None
         if args.speculative_algorithm:
             self.drafter = NgramProposer(
@@ -83,8 +83,8 @@ class Scheduler:
             )
         if not args.skip_server_warmup:
             num_drafts = args.speculative_num_draft_tokens if self.drafter else 0
-            # A full prefill chunk too: its first use is much slower than the later ones.
-            runner.warmup(min(self.max_running, 16), num_drafts, self.chunk_size if 0 < self.chunk_size <= 512 else 512)
+            max_decode, chunk = args.warmup_sizes(self.max_running, self.chunk_size)
+            runner.warmup(max_decode, num_drafts, chunk)
 
         self.kv = ReqKVManager(runner.req_to_token_pool, runner.token_to_kv_pool, args.disable_radix_cache)
         self.io = SchedulerIO(port_args, tp_rank, args.tp_size)
