@@ -87,6 +87,11 @@ class Req:
         return 0 < self.extend_len and self.kv_len + self.extend_len < self.seq_len
 
     @property
+    def tokens_left(self) -> int:
+        """Output tokens this request may still generate (max_new_tokens minus its output)."""
+        return self.sampling_params.max_new_tokens - len(self.output_ids)
+
+    @property
     def finished(self) -> bool:
         return self.finished_reason is not None
 

@@ -103,7 +103,7 @@ class DecodeReserve:
         self.ratio = INIT_NEW_TOKEN_RATIO
 
     def of(self, req: Req) -> int:
-        left = req.sampling_params.max_new_tokens - len(req.output_ids)
+        left = req.tokens_left
         return int(min(max(left, 0), RESERVE_CLIP) * self.ratio)
 
     def reset(self) -> None:
@@ -117,7 +117,7 @@ class DecodeReserve:
     def after_retraction(self, used_slots: int, running: list[Req]) -> None:
         """After a retraction, the ratio that the slots in use are of what the remaining
         requests may still generate (plus a margin): admission becomes cautious."""
-        total = sum(r.sampling_params.max_new_tokens - len(r.output_ids) for r in running) or 1
+        total = sum(r.tokens_left for r in running) or 1
         self.ratio = min(1.0, (used_slots + 0.0) / total + 0.1)
 
 

@@ -225,14 +225,12 @@ class Scheduler:
     # ---- messages ------------------------------------------------------------------------
 
     def add_request(self, msg: TokenizedGenerateReqInput) -> None:
-        req = Req(msg.rid, list(msg.input_ids), SamplingParams(max_new_tokens=0), msg.stream)
         try:
-            req.sampling_params = parse_sampling_params(msg.sampling_params, self.model_config.vocab_size)
-            check_input(req.origin_input_ids, req.sampling_params, self.context_len, self.model_config.vocab_size, self.kv.capacity)
+            params = parse_sampling_params(msg.sampling_params, self.model_config.vocab_size)
+            check_input(msg.input_ids, params, self.context_len, self.model_config.vocab_size, self.kv.capacity)
         except RequestError as e:
-            logger.info("Rejected request %s: %s", req.rid, e)
-            req.finish("abort", message=str(e))
-            return self.io.send_outputs([req])
+            return self.reject(msg, str(e))
+        req = Req(msg.rid, list(msg.input_ids), params, msg.stream)
         if req.sampling_params.seed is not None:
             req.generator = torch.Generator(device=self.device)
             req.generator.manual_seed(req.sampling_params.seed)
@@ -247,6 +245,15 @@ class Scheduler:
             self.grammars.add(req)
         else:
             self.prefill.add(req)
+
+    def reject(self, msg: TokenizedGenerateReqInput, reason: str) -> None:
+        """A request that cannot run ends at once with an abort that says why (the
+        TokenizerManager's checks make this rare: it covers what only the scheduler knows,
+        such as the KV capacity)."""
+        logger.info("Rejected request %s: %s", msg.rid, reason)
+        req = Req(msg.rid, list(msg.input_ids), SamplingParams(max_new_tokens=0), msg.stream)
+        req.finish("abort", message=reason)
+        self.io.send_outputs([req])
 
     def abort(self, msg: AbortReq) -> None:
         """Waiting requests end at once; running ones are marked and end between steps

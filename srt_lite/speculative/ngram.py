@@ -198,7 +198,7 @@ class NgramProposer:
         for r in reqs:
             r.draft_ids = []
             if room_kv - total > 0:
-                left = r.sampling_params.max_new_tokens - len(r.output_ids) - 1
+                left = r.tokens_left - 1
                 # Positions up to context_len - 1 exist; the step's last is seq_len - 1 + d.
                 room = min(left, context_len - r.seq_len, room_kv - total)
                 r.draft_ids = self.propose(r, room, len(reqs))
