@@ -4,12 +4,14 @@
 # written first if it is missing. SERVERS limits or extends the servers (default "srt vllm";
 # `srt-det` adds srt_lite with --enable-deterministic-inference).
 #   benchmarks/compare_1b_shape.sh LABEL MODEL_DIR [VLLM_PYTHON]
+# VLLM_PYTHON (argument or environment) is the Python of vLLM's venv, by default
+# .bench-venvs/vllm/bin/python inside the repo (docs/benchmarks.md has the install).
 # Results: benchmarks/results/1b-{srt,srt-det,vllm}-LABEL[-ROUND].json
 set -euo pipefail
 label=$1
 model=$2
-vllm_py=${3:-/work/vllm-venv/bin/python}
 root=$(cd "$(dirname "$0")/.." && pwd)
+vllm_py=${3:-${VLLM_PYTHON:-$root/.bench-venvs/vllm/bin/python}}
 py=$root/.venv/bin/python
 rounds=${ROUNDS:-1}
 servers=${SERVERS:-srt vllm}

@@ -6,15 +6,16 @@
 # WORKLOADS="W3" limits the workloads; SERVERS="srt vllm" limits the servers (default: all four,
 # srt srt-ngram srt-ngram-compile vllm; `srt-det` adds srt_lite with --enable-deterministic-inference; `llamacpp` adds llama-cpp-python's server on the default
 # model's own GGUF file, 2 threads, single-stream workloads only: LLAMACPP_WORKLOADS, default
-# "CHAT1 W1", its Python LLAMACPP_PYTHON); ROUNDS=N repeats the servers N times in turn
+# "CHAT1 W1", its Python LLAMACPP_PYTHON, default .bench-venvs/llama/bin/python); ROUNDS=N repeats the servers N times in turn
 # (labels LABEL-1 .. LABEL-N), so a drift of the host's speed hits every server alike.
 # DTYPE_VLLM (default bfloat16) is vLLM's --dtype: float32 to match srt_lite's auto on a CPU (or a cap) without
-# native bf16. vLLM comes from its own venv (docs/benchmarks.md has the install). Results:
+# native bf16. vLLM comes from its own venv: VLLM_PYTHON (argument or environment), default
+# .bench-venvs/vllm/bin/python inside the repo (docs/benchmarks.md has the install). Results:
 # benchmarks/results/{srt,srt-ngram,srt-ngram-compile,vllm}-LABEL-W{1,2,3}.json
 set -euo pipefail
 label=$1
-vllm_py=${2:-/work/vllm-venv/bin/python}
 root=$(cd "$(dirname "$0")/.." && pwd)
+vllm_py=${2:-${VLLM_PYTHON:-$root/.bench-venvs/vllm/bin/python}}
 py=$root/.venv/bin/python
 model=$($py -c "from srt_lite.model_loader.default_model import resolve_model_path; print(resolve_model_path(None))")
 
@@ -46,7 +47,7 @@ run_vllm() {
 run_llamacpp() {
   local gguf
   gguf=$($py -c "from srt_lite.model_loader.default_model import default_gguf_path; print(default_gguf_path())")
-  setsid "${LLAMACPP_PYTHON:-/work/llama-venv/bin/python}" -m llama_cpp.server --model "$gguf" --n_threads 2 \
+  setsid "${LLAMACPP_PYTHON:-$root/.bench-venvs/llama/bin/python}" -m llama_cpp.server --model "$gguf" --n_threads 2 \
     --n_ctx 2048 --port 30200 > /tmp/llamacpp-$tag.log 2>&1 &
   local lcpp=$!
   wait_health_models http://127.0.0.1:30200

@@ -23,7 +23,7 @@ engine under test, it needs no C++ build on the GPU machine, and the CPU suite a
 srt_lite's CPU path to transformers (tests/test_model_smollm2.py).
 
 `--device cpu` runs the same logic on the CPU (bf16 and fp32 through torch_native, the servers
-on the CPU): a dry run of this script where no GPU is lent. Prints one line per check and
+on the CPU): a dry run of this script on a machine without a GPU. Prints one line per check and
 writes gpu_check-<parts>.json under --out; the exit status is 1 when any check fails.
 """
 

