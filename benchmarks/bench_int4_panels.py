@@ -16,9 +16,11 @@ import logging
 import torch
 
 from bench_sampler import timed  # the median of timed runs, after a warm-up
-from srt_lite.layers import cpu_kernels
-from srt_lite.layers.linear import (amx_panels_built, int4_linear, int4_pack, int4_panel_linear, pack_int4_panels,
-                                     pack_panels, panel_linear)
+from srt_lite import cpu_kernels
+from srt_lite.layers.cpu_linear.paths import amx_panels_built
+from srt_lite.layers.cpu_linear.products import (
+    int4_linear, int4_pack, int4_panel_linear, pack_int4_panels, pack_panels, panel_linear,
+)
 
 logger = logging.getLogger(__name__)
 SHAPES = [(960, 576), (576, 576), (3072, 576), (576, 1536)]  # (out, in): qkv, o, gate_up, down

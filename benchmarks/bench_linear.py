@@ -13,8 +13,8 @@ import argparse
 import torch
 
 from bench_sampler import timed  # the median of timed runs, after a warm-up
-from srt_lite.layers import cpu_kernels
-from srt_lite.layers.linear import pack_panels, pack_weight, packed_linear, panel_linear
+from srt_lite import cpu_kernels
+from srt_lite.layers.cpu_linear.products import pack_panels, pack_weight, packed_linear, panel_linear
 
 SHAPES = {  # name: [(out, in)], each model's qkv, o, gate_up, down and LM head
     "1b": [(3072, 2048), (2048, 2048), (16384, 2048), (2048, 8192), (128256, 2048)],

@@ -16,8 +16,8 @@ import threading
 from typing import Any, AsyncIterator, Iterator
 
 from srt_lite.entrypoints.launcher import launch_subprocesses
-from srt_lite.managers.generate_request import GenerateRequest, normalize_generate_request
-from srt_lite.managers.tokenizer_manager import TokenizerManager
+from srt_lite.managers.tokenizer.generate_request import GenerateRequest, normalize_generate_request
+from srt_lite.managers.tokenizer.tokenizer_manager import TokenizerManager
 from srt_lite.managers.validation import LogprobOptions
 from srt_lite.server_args import ServerArgs
 from srt_lite.utils import configure_logging

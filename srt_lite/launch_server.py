@@ -12,7 +12,7 @@ from srt_lite.entrypoints.child_processes import start_forkserver
 from srt_lite.server_args import ServerArgs, prepare_server_args
 
 if TYPE_CHECKING:
-    from srt_lite.managers.tokenizer_manager import TokenizerManager
+    from srt_lite.managers.tokenizer.tokenizer_manager import TokenizerManager
 
 logger = logging.getLogger("srt_lite.launch_server")
 
@@ -39,10 +39,11 @@ def launch_server(server_args: ServerArgs) -> int:
     """Runs until SIGINT/SIGTERM (returns 0) or until a child process dies (returns 1)."""
     import uvicorn
 
-    from srt_lite.entrypoints.http_server import DrainingServer, ServerState, build_app
+    from srt_lite.entrypoints.http_server import DrainingServer, build_app
+    from srt_lite.entrypoints.server_state import ServerState
     from srt_lite.entrypoints.launcher import launch_subprocesses
-    from srt_lite.managers.tokenizer_manager import TokenizerManager
-    from srt_lite.metrics import MetricsCollector
+    from srt_lite.managers.tokenizer.tokenizer_manager import TokenizerManager
+    from srt_lite.managers.tokenizer.metrics import MetricsCollector
 
     if server_args.node_rank > 0:
         from srt_lite.entrypoints.launcher import run_follower_node

@@ -10,9 +10,10 @@ import pytest
 import torch
 import torch.nn.functional as F
 
-from srt_lite.layers import cpu_kernels
-from srt_lite.layers.attention import torch_native_backend as tnb
-from srt_lite.layers.attention.choose import (
+from srt_lite import cpu_kernels
+from srt_lite.layers.attention.base import AttentionConfig
+from srt_lite.layers.attention.torch_native import backend as tnb
+from srt_lite.layers.attention.torch_native.choose import (
     CASCADE_MIN_PREFIX,
     FLASH_ROW_MIN_Q,
     PlanKind,
@@ -133,7 +134,7 @@ PINNED_AMX_BF16 = {
 @pytest.mark.parametrize("name", list(PINNED))
 def test_plan_choices_are_pinned(name):
     rows, shared, plain, cpp, cpp_fp16 = PINNED[name]
-    backend = tnb.TorchNativeAttnBackend("cpu", num_heads=4, use_cpu_kernels=False)
+    backend = tnb.TorchNativeAttnBackend(AttentionConfig("cpu", torch.float32, num_heads=4), use_cpu_kernels=False)
     for use_cpp, amx, dtype, want in (
         (False, False, torch.float32, plain),
         (True, False, torch.float32, cpp or plain),
@@ -290,7 +291,7 @@ def test_every_plan_attends_as_plain_attention(cpp, amx):
     attention: fp32, or bf16 where AMX changes the prompts' plans."""
     if cpp and not cpu_kernels.load():
         pytest.skip("C++ CPU ops not built")
-    backend = tnb.TorchNativeAttnBackend("cpu", num_heads=LAYER.num_heads, use_cpu_kernels=False)
+    backend = tnb.TorchNativeAttnBackend(AttentionConfig("cpu", torch.float32, num_heads=LAYER.num_heads), use_cpu_kernels=False)
     backend.cpu_kernels, backend.amx = cpp, amx
     dtype, tol = (torch.bfloat16, 3e-2) if amx else (torch.float32, 1e-5)
     g = torch.Generator().manual_seed(0)

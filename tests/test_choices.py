@@ -7,7 +7,7 @@ import asyncio
 
 import pytest
 
-from srt_lite.managers.choices import merge_streams, numbered_rids, split_choices
+from srt_lite.managers.tokenizer.choices import merge_streams, numbered_rids, split_choices
 from srt_lite.sampling.sampling_params import SamplingParams
 
 

@@ -12,8 +12,9 @@ import pytest
 import torch
 
 from model_harness import Harness
-from srt_lite.layers import batch_invariant, cpu_kernels
-from srt_lite.layers.linear import INT4_ROWS, int4_panel_rows
+from srt_lite.layers import batch_invariant
+from srt_lite import cpu_kernels
+from srt_lite.layers.cpu_linear.paths import INT4_ROWS, int4_panel_rows
 from srt_lite.model_config import ModelConfig
 from srt_lite.model_executor.model_runner import ModelRunner
 from srt_lite.models.cpp_decoder import CppDecoderStack

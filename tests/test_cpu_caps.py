@@ -12,7 +12,7 @@ import pytest
 import torch
 
 from srt_lite import cpu_caps
-from srt_lite.layers.linear import (
+from srt_lite.layers.cpu_linear.paths import (
     PATH_BF16_KERNEL, PATH_F32_PANELS, PATH_PACKED, PATH_PANELS, PATH_TORCH, PATH_WIDE_PANELS, cpu_linear_path,
 )
 

@@ -15,13 +15,12 @@ import torch
 
 from model_harness import Harness, fragment_free_list
 from srt_lite import cpu_caps
-from srt_lite.layers import cpu_kernels
-from srt_lite.layers.attention.choose import PlanKind, cpp_cascade_ok
-from srt_lite.layers.attention.steps import CppCascadePlan
-from srt_lite.layers.linear import (
-    PATH_PACKED, PackableLinear, amx_panels_built, bf16_gemv_available, pack_panels, packed_linear, panel_linear,
-    panels_built,
-)
+from srt_lite import cpu_kernels
+from srt_lite.layers.attention.torch_native.choose import PlanKind, cpp_cascade_ok
+from srt_lite.layers.attention.torch_native.steps import CppCascadePlan
+from srt_lite.layers.cpu_linear.paths import PATH_PACKED, amx_panels_built, bf16_gemv_available, panels_built
+from srt_lite.layers.cpu_linear.packable import PackableLinear
+from srt_lite.layers.cpu_linear.products import pack_panels, packed_linear, panel_linear
 from srt_lite.model_config import ModelConfig
 from srt_lite.model_executor.model_runner import ModelRunner
 from srt_lite.server_args import ServerArgs
@@ -326,7 +325,7 @@ def test_int4_panel_linear_matches_the_4bit_product_and_ignores_the_batch(name, 
     """4-bit panels (a GGUF's codes, scale and zero per group of 32): within fp32 and one bf16
     rounding of the exact product of the 4-bit weights (float64), and a row's result is the
     same bit for bit alone, in a slice of the batch, or in the whole."""
-    from srt_lite.layers.linear import pack_int4_panels
+    from srt_lite.layers.cpu_linear.products import pack_int4_panels
 
     g = torch.Generator().manual_seed(19)
     codes = torch.randint(0, 16, (N, K), generator=g, dtype=torch.uint8)
@@ -348,7 +347,7 @@ def test_int4_panel_linear_matches_the_4bit_product_and_ignores_the_batch(name, 
 
 @pytest.mark.parametrize("name", INT4_PANEL_OPS)
 def test_int4_panel_linear_rejects_bad_shapes(name):
-    from srt_lite.layers.linear import pack_int4_panels
+    from srt_lite.layers.cpu_linear.products import pack_int4_panels
 
     packed, sz = pack_int4_panels(torch.randint(0, 16, (70, 64), dtype=torch.uint8), torch.rand(70, 2), torch.rand(70, 2))
     x = torch.randn(2, 64).bfloat16()

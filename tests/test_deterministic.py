@@ -198,12 +198,13 @@ def test_tensor_parallel_sums_in_rank_order(tmp_path):
 def test_what_is_not_batch_invariant_is_reported():
     """The flag never claims more than holds: CUDA, torch's fp32 matmul, oneDNN's packed path
     and torch.compile are named; the C++ CPU paths are not."""
-    from srt_lite.layers import batch_invariant, cpu_kernels
-    from srt_lite.layers.linear import PATH_F32_PANELS, PATH_PACKED, PATH_PANELS, PATH_TORCH
+    from srt_lite import cpu_kernels
+    from srt_lite.model_executor import determinism
+    from srt_lite.layers.cpu_linear.paths import PATH_F32_PANELS, PATH_PACKED, PATH_PANELS, PATH_TORCH
 
     def gaps(**kw):
         args = dict(device="cpu", dtype=torch.bfloat16, linear_path=PATH_PANELS, head_dims={64}, torch_compile=False)
-        return batch_invariant.gaps(**{**args, **kw})
+        return determinism.gaps(**{**args, **kw})
 
     if cpu_kernels.load():
         assert gaps() == [] and gaps(dtype=torch.float32, linear_path=PATH_F32_PANELS) == []

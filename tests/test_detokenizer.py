@@ -6,8 +6,8 @@ import random
 
 import pytest
 
-from srt_lite.parser.incremental_detokenizer import REPLACEMENT_CHAR, IncrementalDetokenizer
-from srt_lite.parser.stop_strings import StopStringMatcher, find_stop
+from srt_lite.managers.detokenizer.incremental_detokenizer import REPLACEMENT_CHAR, IncrementalDetokenizer
+from srt_lite.sampling.stop_strings import StopStringMatcher, find_stop
 
 EOS_ID = 2
 IM_START_ID = 1

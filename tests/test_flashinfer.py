@@ -14,7 +14,6 @@ from __future__ import annotations
 
 import inspect
 import logging
-import types
 
 import pytest
 import torch
@@ -23,8 +22,9 @@ import srt_lite.layers.attention as attention
 from gpu_check_models import GPU_CASES, make_gpu_tiny_model
 from model_harness import Harness
 from srt_lite.layers.attention import choose_attention_backend, create_attention_backend, flashinfer_available
-from srt_lite.layers.attention import sdpa as sdpa_ops
-from srt_lite.layers.attention import torch_native_backend as tnb
+from srt_lite.layers.attention.base import AttentionConfig
+from srt_lite.layers.attention.torch_native import sdpa as sdpa_ops
+from srt_lite.layers.attention.torch_native import backend as tnb
 from srt_lite.layers.attention.flashinfer_backend import (
     QWEN_WORKSPACE_BYTES,
     WORKSPACE_BYTES,
@@ -95,11 +95,11 @@ def test_create_attention_backend_checks_the_runners_dtype_first(monkeypatch):
     """fp32 on CUDA: auto builds torch_native; flashinfer raises before building anything
     (no CUDA needed: neither path touches the device here)."""
     monkeypatch.setattr(attention, "flashinfer_available", lambda: True)
-    runner = types.SimpleNamespace(dtype=torch.float32, model_config=types.SimpleNamespace(num_heads=4), tp_size=1)
-    backend = create_attention_backend("auto", "cuda", model_runner=runner)
+    config = AttentionConfig("cuda", torch.float32, num_heads=4)
+    backend = create_attention_backend("auto", config)
     assert isinstance(backend, tnb.TorchNativeAttnBackend) and not backend.cpu_kernels
     with pytest.raises(ValueError, match="float32"):
-        create_attention_backend("flashinfer", "cuda", model_runner=runner)
+        create_attention_backend("flashinfer", config)
 
 
 def test_workspace_is_sized_as_sglang_sizes_it(monkeypatch):
@@ -151,7 +151,7 @@ def test_torch_native_steps_through_the_generic_branch_match_the_cpu_op(tmp_path
     path = make_tiny_model("llama", tmp_path / "llama")
     runners = [ModelRunner(ModelConfig.load(path), ServerArgs(dtype="float32", max_total_tokens=4096)) for _ in range(2)]
     for r in runners:
-        r.attn_backend = tnb.TorchNativeAttnBackend("cpu", num_heads=r.attn_backend.num_heads, use_cpu_kernels=False)
+        r.attn_backend = tnb.TorchNativeAttnBackend(r.attention_config(), use_cpu_kernels=False)
     generic, callers = [False], set()
     original = sdpa_ops.sdpa_with_lse
 
@@ -246,7 +246,7 @@ def test_flashinfer_backend_logic_against_reference_kernels(tmp_path, monkeypatc
     monkeypatch.setenv(WORKSPACE_ENV, str(2**20))  # not the real 384 MiB on the CPU
     path = make_tiny_model("llama", tmp_path / "llama")
     runners = [ModelRunner(ModelConfig.load(path), ServerArgs(dtype="float32", max_total_tokens=2048)) for _ in range(2)]
-    runners[0].attn_backend = FlashInferAttnBackend(runners[0])
+    runners[0].attn_backend = FlashInferAttnBackend(runners[0].attention_config())
     assert runners[0].attn_backend.workspace.numel() == 2**20
     hs = [Harness(r) for r in runners]
     g = torch.Generator().manual_seed(4)

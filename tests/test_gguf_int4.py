@@ -14,8 +14,9 @@ import torch
 from safetensors import safe_open
 
 from model_harness import Harness
-from srt_lite.layers import linear
-from srt_lite.layers.linear import INT4_ROWS, PackableLinear, int4_panel_rows, panels_built
+from srt_lite.layers.cpu_linear import packable
+from srt_lite.layers.cpu_linear.paths import INT4_ROWS, int4_panel_rows, panels_built
+from srt_lite.layers.cpu_linear.packable import PackableLinear
 from srt_lite.model_config import ModelConfig
 from srt_lite.model_executor.model_runner import ModelRunner
 from srt_lite.model_loader import gguf_quant
@@ -130,9 +131,9 @@ def test_int4_only_for_few_rows_and_the_full_weight_beyond(tokenizer, monkeypatc
     assert (layer.int4_panels is not None) == panels_built()
     x = torch.randn(int4_panel_rows() + 1, layer.weight_shape[1], dtype=torch.bfloat16)
     calls, panel_calls = [], []
-    original, panel_original = linear.int4_linear, linear.int4_panel_linear
-    monkeypatch.setattr(linear, "int4_linear", lambda *args: calls.append(args[0].shape[0]) or original(*args))
-    monkeypatch.setattr(linear, "int4_panel_linear",
+    original, panel_original = packable.int4_linear, packable.int4_panel_linear
+    monkeypatch.setattr(packable, "int4_linear", lambda *args: calls.append(args[0].shape[0]) or original(*args))
+    monkeypatch.setattr(packable, "int4_panel_linear",
                         lambda *args: panel_calls.append(args[0].shape[0]) or panel_original(*args))
     for rows in range(1, int4_panel_rows() + 2):
         layer.matmul(x[:rows], None)

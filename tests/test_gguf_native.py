@@ -1,4 +1,4 @@
-"""GGUF files served from their own blocks (model_loader/gguf_*.py, layers/gguf_linear.py,
+"""GGUF files served from their own blocks (model_loader/gguf_*.py, layers/cpu_linear/gguf.py,
 csrc/cpu_gguf_linear.cpp), tested on files built from random blocks (tests/gguf_files.py)
 and on the default model's own Q4_1 file, with gguf's numpy dequantization and transformers'
 GGUF loader as the references.
@@ -25,9 +25,9 @@ from gguf.quants import dequantize as gguf_dequantize
 
 from gguf_files import RECIPES, write_model
 from model_harness import Harness
-from srt_lite.layers import cpu_kernels
-from srt_lite.layers.gguf_linear import DOT_ROWS, PACK_ROWS, PACKED_ID, PACKED_TYPES, GGUFWeight
-from srt_lite.layers.linear import PackableLinear
+from srt_lite import cpu_kernels
+from srt_lite.layers.cpu_linear.gguf import DOT_ROWS, PACK_ROWS, PACKED_ID, PACKED_TYPES, GGUFWeight
+from srt_lite.layers.cpu_linear.packable import PackableLinear
 from srt_lite.model_config import ModelConfig
 from srt_lite.model_executor.model_runner import ModelRunner
 from srt_lite.model_loader import gguf_types
@@ -159,7 +159,7 @@ def test_packed_products_equal_int8_activations(name):
 def test_without_the_cpp_ops_slabs_go_through_f_linear(monkeypatch):
     """Without a C++ compiler, a GGUFWeight dequantizes with gguf's numpy reference and
     multiplies in float: the exact product of the dequantized weight."""
-    from srt_lite.layers import gguf_linear
+    from srt_lite.layers.cpu_linear import gguf as gguf_linear
 
     monkeypatch.setattr(gguf_linear.cpu_kernels, "load", lambda: False)
     monkeypatch.setattr(gguf_types, "_kernels_built", lambda: False)

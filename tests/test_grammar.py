@@ -13,7 +13,7 @@ import torch
 from srt_lite.constrained import backend_class
 from srt_lite.constrained.base import GrammarError, allocate_bitmask, allow_token, apply_bitmask
 from srt_lite.constrained.reasoning import ReasoningMatcher, ThinkTags
-from srt_lite.managers.grammar_manager import GrammarManager
+from srt_lite.managers.scheduler.grammar_manager import GrammarManager
 from srt_lite.req import Req
 from srt_lite.sampling.sampler import Sampler
 from srt_lite.sampling.sampling_batch_info import SamplingBatchInfo

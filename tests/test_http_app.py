@@ -10,9 +10,10 @@ import shutil
 import pytest
 from starlette.testclient import TestClient
 
-from srt_lite.entrypoints.http_server import ServerState, build_app
+from srt_lite.entrypoints.http_server import build_app
+from srt_lite.entrypoints.server_state import ServerState
 from srt_lite.managers.io_struct import SchedulerReady
-from srt_lite.managers.tokenizer_manager import TokenizerManager
+from srt_lite.managers.tokenizer.tokenizer_manager import TokenizerManager
 from srt_lite.model_config import ModelConfig
 from srt_lite.server_args import PortArgs, ServerArgs
 

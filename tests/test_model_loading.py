@@ -86,7 +86,7 @@ def test_default_model_is_found_without_importing_its_package(default_model_dir)
 def test_resolve_dtype_names_and_auto():
     """auto follows the CPU's rule (tests/test_cpu_caps.py checks the rule per CPU class)."""
     from srt_lite import cpu_caps
-    from srt_lite.layers import cpu_kernels
+    from srt_lite import cpu_kernels
 
     for n in (None, 135_000_000):
         bf16 = cpu_caps.bf16_is_faster(cpu_caps.get(), cpu_kernels.load(), n)

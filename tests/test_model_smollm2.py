@@ -7,7 +7,8 @@ import torch
 
 from conftest import chat_ids
 from model_harness import Harness
-from srt_lite.layers.linear import EXACT_ROWS, PATH_PACKED, bucketed_rows
+from srt_lite.layers.cpu_linear.products import EXACT_ROWS, bucketed_rows
+from srt_lite.layers.cpu_linear.paths import PATH_PACKED
 from srt_lite.model_config import ModelConfig
 from srt_lite.model_executor.model_runner import ModelRunner
 from srt_lite.server_args import ServerArgs

@@ -10,7 +10,7 @@ sys.path.insert(0, str(Path(__file__).resolve().parent.parent / "benchmarks"))
 
 import replay_steps  # noqa: E402
 
-from srt_lite.managers.tp_worker import TpModelWorker  # noqa: E402
+from srt_lite.managers.scheduler.tp_worker import TpModelWorker  # noqa: E402
 
 
 def test_recorded_steps_replay_once_per_variant_in_rotating_order(tmp_path, monkeypatch):

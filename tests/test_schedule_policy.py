@@ -5,9 +5,9 @@ from __future__ import annotations
 
 import torch
 
-from srt_lite.managers.prefill_manager import DRAFTS_BESIDE_PREFILL_MAX, PrefillManager
-from srt_lite.managers.running_batch import RunningBatch
-from srt_lite.managers.schedule_policy import (
+from srt_lite.managers.scheduler.prefill_manager import DRAFTS_BESIDE_PREFILL_MAX, PrefillManager
+from srt_lite.managers.scheduler.running_batch import RunningBatch
+from srt_lite.managers.scheduler.schedule_policy import (
     IN_BATCH_PREFIX_MIN,
     INIT_NEW_TOKEN_RATIO,
     MIN_NEW_TOKEN_RATIO,

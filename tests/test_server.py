@@ -13,7 +13,7 @@ import torch
 
 from server_utils import ServerProcess
 from srt_lite import cpu_caps
-from srt_lite.layers.linear import cpu_linear_path
+from srt_lite.layers.cpu_linear.paths import cpu_linear_path
 from srt_lite.model_executor.dtype import resolve_dtype
 
 

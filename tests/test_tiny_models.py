@@ -8,10 +8,11 @@ import torch
 from transformers import AutoModelForCausalLM, LlamaConfig, Qwen2Config, Qwen3Config
 
 from model_harness import Harness, fragment_free_list
-from srt_lite.layers.linear import (
-    EXACT_ROWS, PATH_BF16_KERNEL, PATH_F32_PANELS, PATH_PACKED, PATH_PANELS, PATH_TORCH, PATH_WIDE_PANELS, PackableLinear,
-    cpu_linear_path,
+from srt_lite.layers.cpu_linear.products import EXACT_ROWS
+from srt_lite.layers.cpu_linear.paths import (
+    PATH_BF16_KERNEL, PATH_F32_PANELS, PATH_PACKED, PATH_PANELS, PATH_TORCH, PATH_WIDE_PANELS, cpu_linear_path,
 )
+from srt_lite.layers.cpu_linear.packable import PackableLinear
 from srt_lite.model_config import ModelConfig
 from srt_lite.model_executor.model_runner import ModelRunner
 from srt_lite.server_args import ServerArgs
@@ -221,9 +222,11 @@ def test_cascade_decode_over_shared_prefix_matches_transformers(tmp_path, monkey
     of the pool when its slots are consecutive, else gathered; the suffixes are attended as
     one masked sequence (in the C++ op, or with torch ops), or (when that would cost more)
     row by row, padded."""
-    from srt_lite.layers import cpu_kernels
-    from srt_lite.layers.attention import cascade, choose, plans
-    from srt_lite.layers.attention.steps import CppCascadePlan
+    from srt_lite import cpu_kernels
+    from srt_lite.layers.attention.torch_native import cascade
+    from srt_lite.layers.attention.torch_native import choose
+    from srt_lite.layers.attention.torch_native import plans
+    from srt_lite.layers.attention.torch_native.steps import CppCascadePlan
 
     assert cpu_kernels.load()  # built here: CI's machine has the compiler inductor uses
     # The plans' own calls are counted: the C++ decoder stack would run the op without them

@@ -10,7 +10,7 @@
 // The K/V row copies are small, so they are plain loops instead of index_copy_ /
 // index_select, whose set-up would dominate. The suffix loops use ATen's at::vec, built for
 // AVX-512 where the CPU has it (cpu_kernels.py picks the flags).
-// Built on first use by srt_lite/layers/cpu_kernels.py.
+// Built on first use by srt_lite/cpu_kernels.py.
 #include <ATen/ATen.h>
 #include <ATen/Parallel.h>
 #include <ATen/core/dispatch/Dispatcher.h>

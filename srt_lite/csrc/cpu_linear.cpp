@@ -9,7 +9,7 @@
 //   weight is read from memory once, at 2 bytes an element;
 // - many rows (prefill): chunks of the weight are widened into an fp32 buffer and the fp32
 //   matmul runs on them; the widening is small next to the product's arithmetic.
-// Built with cpu_attention.cpp into one extension by srt_lite/layers/cpu_kernels.py.
+// Built with cpu_attention.cpp into one extension by srt_lite/cpu_kernels.py.
 #include <ATen/ATen.h>
 #include <ATen/Parallel.h>
 #include <ATen/cpu/vec/functional.h>

@@ -6,7 +6,7 @@
 // Each op rounds where the torch ops it replaces round (every torch op returns a tensor in
 // the activation dtype), so the results are theirs: in bf16 and fp16 bit for bit, apart
 // from the order of the RMSNorm sum of squares (computed in fp32 either way).
-// Built with the other csrc files into one extension by srt_lite/layers/cpu_kernels.py.
+// Built with the other csrc files into one extension by srt_lite/cpu_kernels.py.
 #include <ATen/ATen.h>
 #include <ATen/Parallel.h>
 #include <ATen/cpu/vec/functional.h>

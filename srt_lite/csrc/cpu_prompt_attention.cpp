@@ -17,7 +17,7 @@
 // bf16 with AVX512-BF16 computes both products in bf16 dot products (vdpbf16ps, fp32 sums;
 // the probabilities are rounded to bf16 for P V, as torch's flash kernel does); everything
 // else widens to fp32 and uses at::vec multiply-adds, which every build has.
-// Built with the other sources into one extension by srt_lite/layers/cpu_kernels.py.
+// Built with the other sources into one extension by srt_lite/cpu_kernels.py.
 #include <ATen/ATen.h>
 #include <ATen/Parallel.h>
 #include <ATen/cpu/vec/functional.h>

@@ -19,5 +19,5 @@ import transformers.models.auto.tokenization_auto  # noqa: F401
 import transformers.tokenization_utils_tokenizers  # noqa: F401
 import transformers.utils.type_validators  # noqa: F401
 
-import srt_lite.managers.detokenizer_manager  # noqa: F401
-import srt_lite.managers.scheduler  # noqa: F401
+import srt_lite.managers.detokenizer.detokenizer_manager  # noqa: F401
+import srt_lite.managers.scheduler.scheduler  # noqa: F401

@@ -10,7 +10,7 @@ from pydantic import ValidationError
 from starlette.requests import Request
 from starlette.responses import JSONResponse, Response
 
-from srt_lite.managers.tokenizer_manager import Overloaded
+from srt_lite.managers.tokenizer.tokenizer_manager import Overloaded
 from srt_lite.managers.validation import RequestError
 
 

@@ -31,6 +31,7 @@ from srt_lite.entrypoints.openai.serving_completions import OpenAIServingComplet
 from srt_lite.entrypoints.openai.serving_embeddings import create_embeddings
 from srt_lite.entrypoints.openai.serving_models import list_models, retrieve_model
 from srt_lite.entrypoints.openai.serving_tokenize import detokenize, tokenize
+from srt_lite.entrypoints.server_state import ServerState
 from srt_lite.entrypoints.openai.serving_responses import (
     OpenAIServingResponses,
     create_response,
@@ -38,47 +39,14 @@ from srt_lite.entrypoints.openai.serving_responses import (
     list_input_items,
     retrieve_response,
 )
-from srt_lite.managers.generate_request import normalize_generate_request
-from srt_lite.managers.tokenizer_manager import TokenizerManager
+from srt_lite.managers.tokenizer.generate_request import normalize_generate_request
+from srt_lite.managers.tokenizer.tokenizer_manager import TokenizerManager
 from srt_lite.managers.validation import LogprobOptions, RequestError
-from srt_lite.model_config import ModelConfig
 
 logger = logging.getLogger(__name__)
 
 # After the grace period's abort, how long the aborted requests get to send their final output.
 ABORT_WAIT_S = 5.0
-
-
-class ServerState:
-    """What the endpoints share: the manager, the launch info, options, and liveness."""
-
-    def __init__(
-        self,
-        tokenizer_manager: TokenizerManager,
-        model_config: ModelConfig,
-        served_model_name: str,
-    ):
-        args = tokenizer_manager.server_args
-        self.tm = tokenizer_manager
-        model_dir = self.model_dir = model_config.path
-        self.hf_config = model_config.hf_config
-        self.served_model_name = served_model_name
-        # Names a request's `model` may use: the served name and the path it was started with.
-        self.model_names = {served_model_name, model_dir} | ({args.model_path} if args.model_path else set())
-        self.generation_defaults = model_config.generation_defaults
-        self.reasoning_parser = args.reasoning_parser
-        self.tool_call_parser = args.tool_call_parser
-        self.enable_cache_report = args.enable_cache_report
-        self.api_key = args.api_key
-        self.max_request_bytes = args.max_request_bytes
-        self.chat_template = open(args.chat_template).read() if args.chat_template else None
-        self.dead: str | None = None  # why the server cannot serve (a child process died)
-
-    def unavailable(self) -> str | None:
-        """Why new requests cannot be served now, or None."""
-        if self.dead:
-            return self.dead
-        return "the server is shutting down" if self.tm.draining else None
 
 
 def _server(request: Request) -> ServerState:

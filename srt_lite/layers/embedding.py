@@ -7,12 +7,13 @@ import torch.nn.functional as F
 from torch import nn
 
 from srt_lite.distributed import get_tp_rank, get_tp_size, tp_all_gather, tp_all_reduce
-from srt_lite.layers import batch_invariant, cpu_kernels
-from srt_lite.layers.gguf_linear import GGUFWeight
-from srt_lite.layers.linear import (
-    amx_panels_ok, bf16_gemv_available, bf16_kernel_linear, pack_panels, pack_weight, packed_linear, panel_linear,
-    panel_shape,
+from srt_lite.layers import batch_invariant
+from srt_lite import cpu_kernels
+from srt_lite.layers.cpu_linear.gguf import GGUFWeight
+from srt_lite.layers.cpu_linear.products import (
+    amx_panels_ok, bf16_kernel_linear, pack_panels, pack_weight, packed_linear, panel_linear, panel_shape,
 )
+from srt_lite.layers.cpu_linear.paths import bf16_gemv_available
 from srt_lite.model_loader.gguf_model import QuantSource
 from srt_lite.model_loader.weight_utils import TensorSource, read_narrow
 

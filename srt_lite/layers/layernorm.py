@@ -4,7 +4,7 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
-from srt_lite.layers import cpu_kernels
+from srt_lite import cpu_kernels
 from srt_lite.model_loader.weight_utils import TensorSource, read_all
 
 

@@ -10,7 +10,7 @@ from __future__ import annotations
 import torch
 from torch import nn
 
-from srt_lite.layers import cpu_kernels
+from srt_lite import cpu_kernels
 
 
 def _rope_parameters(hf_config) -> dict:

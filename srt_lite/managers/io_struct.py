@@ -147,7 +147,7 @@ class SchedulerReady:
     gguf_formats: dict[str, int] = field(default_factory=dict)
     weight_bytes: int = 0  # bytes of weights held, quantized blocks included
     # --enable-deterministic-inference: whether outputs are batch-invariant here, and if
-    # asked for but not, what keeps them from it (layers/batch_invariant.gaps).
+    # asked for but not, what keeps them from it (model_executor/determinism.gaps).
     deterministic: bool = False
     deterministic_gaps: list[str] = field(default_factory=list)
 

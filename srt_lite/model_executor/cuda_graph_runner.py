@@ -13,16 +13,25 @@ from __future__ import annotations
 import bisect
 import logging
 import time
-from typing import TYPE_CHECKING
+from typing import Protocol
 
 import torch
 
-from srt_lite.layers.attention.flashinfer_backend import build_kv_indices
+from srt_lite.layers.attention.base import AttentionBackend
 from srt_lite.layers.logits_processor import LogitsProcessorOutput
+from srt_lite.mem_cache.memory_pool import ReqToTokenPool, TokenToKVPool
 from srt_lite.model_executor.forward_batch import ForwardBatch, ForwardMode
 
-if TYPE_CHECKING:
-    from srt_lite.model_executor.model_runner import ModelRunner
+
+class GraphSource(Protocol):
+    """What graphs are captured from (a ModelRunner): the model, its attention backend and pools."""
+
+    model: torch.nn.Module
+    attn_backend: AttentionBackend
+    device: str
+    req_to_token_pool: ReqToTokenPool
+    token_to_kv_pool: TokenToKVPool
+
 
 logger = logging.getLogger(__name__)
 
@@ -34,7 +43,7 @@ def capture_batch_sizes(max_bs: int) -> list[int]:
 
 
 class CudaGraphRunner:
-    def __init__(self, runner: "ModelRunner", max_bs: int):
+    def __init__(self, runner: GraphSource, max_bs: int):
         self.runner = runner
         self.backend = runner.attn_backend
         self.batch_sizes = capture_batch_sizes(max_bs)
@@ -46,18 +55,9 @@ class CudaGraphRunner:
         self.out_cache_loc = torch.zeros(max_bs, dtype=torch.int64, device=dev)  # [max_bs], 0 = padding slot
         self.req_pool_indices = torch.zeros(max_bs, dtype=torch.int64, device=dev)  # [max_bs]
         self.seq_lens = torch.ones(max_bs, dtype=torch.int64, device=dev)  # [max_bs]
-        # FlashInfer's index buffers: indptr and last_page_len per size, indices shared. Rows
-        # that share a cached prefix list the same slots, so the sum of lengths is bounded by
-        # rows x context, not by the pool's capacity.
-        self.kv_indices = torch.zeros(
-            max_bs * runner.req_to_token_pool.req_to_token.shape[1], dtype=torch.int32, device=dev
-        )  # [max_bs * max_context]
+        self.backend.init_graph_state(max_bs, runner.req_to_token_pool.req_to_token.shape[1])
         self.graphs: dict[int, torch.cuda.CUDAGraph] = {}
         self.outputs: dict[int, torch.Tensor] = {}  # [bs, vocab] float32 logits per size
-        self.wrappers: dict[int, object] = {}
-        self.kv_indptr: dict[int, torch.Tensor] = {}
-        self.last_page_len: dict[int, torch.Tensor] = {}
-        self.host_ones = torch.ones(max_bs, dtype=torch.int32)  # [max_bs] last_page_len for plan, host
         self.capture()
 
     def can_run(self, fb: ForwardBatch) -> bool:
@@ -66,7 +66,7 @@ class CudaGraphRunner:
             and fb.batch_size <= self.max_bs
             and fb.logit_index is None
             and not fb.return_all_logits
-            and sum(fb.seq_lens_cpu) + self.max_bs <= self.kv_indices.numel()
+            and self.backend.graph_can_run(fb)
         )
 
     # ---- capture ------------------------------------------------------------------------
@@ -87,27 +87,15 @@ class CudaGraphRunner:
             req_to_token_pool=r.req_to_token_pool,
             token_to_kv_pool=r.token_to_kv_pool,
             attn_backend=self.backend,
-            attn_metadata=self.wrappers[bs],
         )
-
-    def _plan(self, bs: int, kv_indptr: torch.Tensor, kv_indices: torch.Tensor) -> None:
-        """kv_indptr [bs + 1] on the host, kv_indices on the device; plan copies them into
-        the wrapper's fixed buffers, which the captured kernels read."""
-        self.backend.plan_decode(self.wrappers[bs], kv_indptr, kv_indices, self.host_ones[:bs])
 
     def capture(self) -> None:
         t0 = time.perf_counter()
         dev = self.runner.device
         pool = None  # one memory pool shared by all graphs: the largest is captured first
         for bs in reversed(self.batch_sizes):
-            self.kv_indptr[bs] = torch.arange(bs + 1, dtype=torch.int32, device=dev)  # [bs + 1]
-            self.last_page_len[bs] = torch.ones(bs, dtype=torch.int32, device=dev)  # [bs]
-            self.wrappers[bs] = self.backend.make_cuda_graph_decode_wrapper(
-                self.kv_indptr[bs], self.kv_indices, self.last_page_len[bs]
-            )
-            # Capture with every row a padding row: one KV page, slot 0.
-            self._plan(bs, torch.arange(bs + 1, dtype=torch.int32), self.kv_indices[:bs].zero_())
             fb = self._static_batch(bs)
+            self.backend.init_forward_metadata_capture(fb)
             for _ in range(2):  # warm-up outside the graph (lazy inits, autotuning)
                 self._forward(fb)
             torch.cuda.synchronize(dev)
@@ -137,15 +125,7 @@ class CudaGraphRunner:
             self.input_ids[bs:size].zero_()
             self.positions[bs:size].zero_()
             self.out_cache_loc[bs:size].zero_()
-        total = sum(fb.seq_lens_cpu)
-        kv_indptr, kv_indices = build_kv_indices(
-            self.runner.req_to_token_pool.req_to_token, fb.req_pool_indices, fb.seq_lens, fb.seq_lens_cpu
-        )
-        # Padding rows get one page each (slot 0) after the real rows' pages.
-        pad = torch.arange(1, size - bs + 1, dtype=torch.int32) + total
-        kv_indptr = torch.cat((kv_indptr, pad))  # [size + 1]
-        kv_indices = torch.cat((kv_indices, kv_indices.new_zeros(size - bs)))  # [total + size - bs]
-        self._plan(size, kv_indptr, kv_indices)
+        self.backend.init_forward_metadata_replay(fb, size)
         self.graphs[size].replay()
         # The graph's output buffer is overwritten by the next replay: hand out a copy.
         return LogitsProcessorOutput(self.outputs[size][:bs].clone())

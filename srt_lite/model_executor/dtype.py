@@ -5,7 +5,7 @@ from __future__ import annotations
 import torch
 
 from srt_lite import cpu_caps
-from srt_lite.layers import cpu_kernels
+from srt_lite import cpu_kernels
 
 _DTYPES = {
     "float32": torch.float32,

@@ -15,7 +15,6 @@ from typing import TYPE_CHECKING, Any
 import torch
 
 if TYPE_CHECKING:
-    from srt_lite.layers.attention.base import AttentionBackend
     from srt_lite.mem_cache.memory_pool import ReqToTokenPool, TokenToKVPool
 
 
@@ -41,7 +40,9 @@ class ForwardBatch:
     extend_prefix_lens_cpu: list[int]
     req_to_token_pool: "ReqToTokenPool | None" = None
     token_to_kv_pool: "TokenToKVPool | None" = None
-    attn_backend: "AttentionBackend | None" = None
+    # The AttentionBackend (layers/attention/base.py) that plans and runs this step; typed
+    # loosely because the backends are built on this module, not the other way round.
+    attn_backend: Any = None
     # Logits for every new token (prompt logprobs, tests) instead of the last one per request.
     return_all_logits: bool = False
     # Tokens whose logits the sampler needs, when some request wants more than its last one

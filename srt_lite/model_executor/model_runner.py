@@ -11,16 +11,13 @@ import torch.nn.functional as F
 from srt_lite import cpu_caps
 from srt_lite.distributed import get_tp_rank, get_tp_size
 from srt_lite.distributed.parallel_state import tp_min
-from srt_lite.layers import batch_invariant, cpu_kernels
+from srt_lite.layers import batch_invariant
+from srt_lite import cpu_kernels
 from srt_lite.layers.attention import create_attention_backend
-from srt_lite.layers.linear import (
-    EXACT_ROWS,
-    PATH_PACKED,
-    PATH_TORCH,
-    bucketed_rows,
-    cpu_linear_path,
-    prepare_linears_for_cpu,
-)
+from srt_lite.layers.attention.base import AttentionConfig
+from srt_lite.layers.cpu_linear.products import EXACT_ROWS, bucketed_rows
+from srt_lite.layers.cpu_linear.paths import PATH_PACKED, PATH_TORCH, cpu_linear_path
+from srt_lite.layers.cpu_linear.packable import prepare_linears_for_cpu
 from srt_lite.layers.logits_processor import LogitsProcessorOutput
 from srt_lite.layers.radix_attention import RadixAttention, compiled_forward_batch
 from srt_lite.mem_cache.memory_pool import ReqToTokenPool, TokenToKVPool
@@ -31,6 +28,7 @@ from srt_lite.model_loader.gguf_reader import GGUFFile
 from srt_lite.model_loader.weight_utils import count_checkpoint_tensors, iter_checkpoint
 from srt_lite.models.registry import get_model_class
 from srt_lite.server_args import ServerArgs
+from srt_lite.model_executor import determinism
 from srt_lite.model_executor.dtype import resolve_dtype
 from srt_lite.utils import available_memory_bytes, progress, resolve_device
 
@@ -64,13 +62,11 @@ class ModelRunner:
             batch_invariant.enable()  # before loading: the layers read it as they pack
         self.load_model()
         self.init_memory_pool()
-        self.attn_backend = create_attention_backend(
-            server_args.attention_backend, self.device, model_runner=self
-        )
+        self.attn_backend = create_attention_backend(server_args.attention_backend, self.attention_config())
         self.deterministic_gaps: list[str] = []
         if server_args.enable_deterministic_inference:
             head_dims = {m.head_dim for m in self.model.modules() if isinstance(m, RadixAttention)}
-            self.deterministic_gaps = batch_invariant.gaps(
+            self.deterministic_gaps = determinism.gaps(
                 self.device, self.dtype, self.linear_path, head_dims, server_args.enable_torch_compile)
             if self.deterministic_gaps and self.tp_rank == 0:
                 logger.warning("Deterministic inference asked for, not batch-invariant here: %s",
@@ -87,6 +83,18 @@ class ModelRunner:
             self.cuda_graph_runner = CudaGraphRunner(self, max_bs)
 
     # ---- set-up -------------------------------------------------------------------------
+
+    def attention_config(self) -> AttentionConfig:
+        """What an attention backend is built from: this rank's head shape and the pools."""
+        cfg = self.model_config
+        layers = [m for m in self.model.modules() if isinstance(m, RadixAttention)]
+        return AttentionConfig(
+            device=self.device, dtype=self.dtype, num_heads=cfg.num_heads // self.tp_size,
+            num_kv_heads=self.kv_heads_per_rank(), head_dim=cfg.head_dim,
+            scaling=layers[0].scaling if layers else cfg.head_dim**-0.5,
+            architectures=tuple(getattr(cfg.hf_config, "architectures", None) or ()),
+            req_to_token_pool=self.req_to_token_pool, token_to_kv_pool=self.token_to_kv_pool,
+        )
 
     def load_model(self) -> None:
         t0 = time.perf_counter()
@@ -165,7 +173,7 @@ class ModelRunner:
         Inductor's C++ wrapper (`cpp_wrapper`) calls the graph's kernels and custom ops from
         generated C++ instead of Python: a CPU step runs many small calls, whose Python
         dispatch it saves. Its cost is a C++ compile of each graph on a cold inductor cache.
-        With the C++ CPU ops built (layers/cpu_kernels.py) the graph's attention and matmuls
+        With the C++ CPU ops built (cpu_kernels.py) the graph's attention and matmuls
         are C++ ops too."""
         self.attn_layers = {m.layer_id: m for m in self.model.modules() if isinstance(m, RadixAttention)}
         if self.attn_backend.has_cpp_graph_op:

@@ -7,7 +7,7 @@ tokenizer files (the vocabulary, merges and chat template of the file, converted
 transformers' GGUF tokenizer converter); no weights. Tokenizers and configs load from that
 folder as from any Hugging Face directory. `iter_weights` yields the weights under Hugging
 Face names: float tensors as views of the file, quantized ones as `QuantSource`s that a
-layer may keep in their blocks (layers/gguf_linear.py) or read dequantized.
+layer may keep in their blocks (layers/cpu_linear/gguf.py) or read dequantized.
 """
 
 from __future__ import annotations

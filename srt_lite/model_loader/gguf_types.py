@@ -88,7 +88,7 @@ def dequantize(raw: torch.Tensor, t: GGUFType, cols: int) -> torch.Tensor:
 
 
 def _kernels_built() -> bool:
-    from srt_lite.layers import cpu_kernels
+    from srt_lite import cpu_kernels
 
     return cpu_kernels.load()
 

@@ -22,10 +22,8 @@ from torch import nn
 
 from srt_lite import envs
 from srt_lite.distributed import get_tp_size
-from srt_lite.layers import batch_invariant, cpu_kernels
-from srt_lite.layers.attention.plans import CppPromptPlan
-from srt_lite.layers.attention.steps import CppCascadePlan, GroupedStep
-from srt_lite.layers.linear import cpp_row_bounds
+from srt_lite import cpu_kernels
+from srt_lite.layers.cpu_linear.packable import cpp_row_bounds
 
 if TYPE_CHECKING:
     from srt_lite.model_executor.forward_batch import ForwardBatch
@@ -77,12 +75,12 @@ class CppDecoderStack:
         return cls(key, model.layers)
 
     def runs(self, hidden: torch.Tensor, fb: "ForwardBatch") -> bool:
-        """Whether this step goes through the stack: its attention is the C++ cascade or, for
-        the whole step, the C++ prompt op (batch-invariant inference), its token axis is not
-        padded, the C++ norms take its hidden states (as RMSNorm.forward asks), and no graph
-        is being traced."""
+        """Whether this step goes through the stack: its attention backend gives the step in
+        the stack's form (a C++ cascade, or the C++ prompt op for the whole step), its token
+        axis is not padded, the C++ norms take its hidden states (as RMSNorm.forward asks),
+        and no graph is being traced."""
         return (
-            (isinstance(fb.attn_metadata, CppCascadePlan) or _prompt_plan(fb) is not None)
+            fb.attn_backend.decoder_stack_args(fb) is not None
             and hidden.shape[0] == fb.num_tokens
             and hidden.dtype == self.dtype
             and hidden.is_contiguous()
@@ -95,27 +93,12 @@ class CppDecoderStack:
         """hidden [T, hidden] (the embedding) -> the last layer's (output, residual)."""
         cos, sin = self.rotary_emb._cos_sin(positions, hidden.dtype)  # [T, 1, D] each
         pool = fb.token_to_kv_pool
-        prompt = _prompt_plan(fb)
-        if prompt is not None:
-            none = prompt.slots[:0]
-            return torch.ops.srt_lite_cpu.decoder_layers(
-                self.key, hidden, cos, sin, fb.out_cache_loc, prompt.slots, prompt.q_offsets, prompt.k_offsets,
-                -1, 0, none, self.scale, pool.k_buffer, pool.v_buffer, True, prompt.bf16_dot,
-            )
-        plan: CppCascadePlan = fb.attn_metadata
+        a = fb.attn_backend.decoder_stack_args(fb)
+        prefix_index = a.slots[:0] if a.prefix_index is None else a.prefix_index
         return torch.ops.srt_lite_cpu.decoder_layers(
-            self.key, hidden, cos, sin, fb.out_cache_loc, plan.suffix_index, plan.q_offsets, plan.k_offsets,
-            plan.prefix_start_slot, plan.prefix.length, plan.prefix.index, self.scale, pool.k_buffer, pool.v_buffer,
+            self.key, hidden, cos, sin, fb.out_cache_loc, a.slots, a.q_offsets, a.k_offsets, a.prefix_start,
+            a.prefix_len, prefix_index, self.scale, pool.k_buffer, pool.v_buffer, a.prompt, a.bf16_dot,
         )
-
-
-def _prompt_plan(fb: "ForwardBatch") -> CppPromptPlan | None:
-    """The step's plan when the C++ prompt op attends all of it (one group of every row), as
-    every step does with batch-invariant inference; other prompt steps keep the Python layers."""
-    step = fb.attn_metadata
-    if batch_invariant.enabled() and isinstance(step, GroupedStep) and len(step.groups) == 1 and isinstance(step.groups[0].plan, CppPromptPlan):
-        return step.groups[0].plan
-    return None
 
 
 def _covered(layer: nn.Module, first: nn.Module) -> bool:

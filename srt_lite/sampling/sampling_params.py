@@ -101,6 +101,10 @@ class SamplingParams:
         for name in ("ignore_eos", "skip_special_tokens", "spaces_between_special_tokens", "no_stop_trim"):
             if not isinstance(getattr(self, name), bool):
                 raise ValueError(f"{name} must be a boolean")
+        self._verify_stops_and_bias(vocab_size)
+        self._verify_grammar()
+
+    def _verify_stops_and_bias(self, vocab_size: int | None) -> None:
         if self.stop is not None:
             if not isinstance(self.stop, list) or not all(isinstance(s, str) for s in self.stop):
                 raise ValueError("stop must be a string or a list of strings")
@@ -122,6 +126,8 @@ class SamplingParams:
                 if tid < 0 or (vocab_size is not None and tid >= vocab_size):
                     raise ValueError(f"logit_bias token id {tid} is out of the vocabulary")
                 _num("logit_bias", v, lo=-100.0, hi=100.0)
+
+    def _verify_grammar(self) -> None:
         grammars = [k for k in GRAMMAR_KINDS if getattr(self, k) is not None]
         if len(grammars) > 1:
             raise ValueError(f"only one of {', '.join(GRAMMAR_KINDS)} may be set, got {', '.join(grammars)}")

@@ -24,11 +24,11 @@ from srt_lite.entrypoints.openai.chat_output import ChoiceOutput
 from srt_lite.entrypoints.openai.serving_base import abort_error, collect_one, finish_reason
 from srt_lite.entrypoints.openai.serving_chat import ChatRun, OpenAIServingChat
 from srt_lite.entrypoints.openai.tools import plan_tools
-from srt_lite.managers.tokenizer_manager import Overloaded
+from srt_lite.managers.tokenizer.tokenizer_manager import Overloaded
 from srt_lite.managers.validation import RequestError
 
 if TYPE_CHECKING:
-    from srt_lite.entrypoints.http_server import ServerState
+    from srt_lite.entrypoints.server_state import ServerState
 
 
 def error_response(message: str, status: int, err_type: str) -> JSONResponse:

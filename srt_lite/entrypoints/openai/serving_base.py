@@ -12,13 +12,13 @@ from srt_lite.entrypoints.http_io import anext_or_none, until_disconnected
 from srt_lite.entrypoints.openai.protocol import UsageInfo, _SamplingFields
 from srt_lite.entrypoints.openai.serving_models import check_model
 from srt_lite.entrypoints.openai.structured import Grammar
-from srt_lite.managers.choices import numbered_rids
-from srt_lite.managers.tokenizer_manager import TokenizerManager
+from srt_lite.managers.tokenizer.choices import numbered_rids
+from srt_lite.managers.tokenizer.tokenizer_manager import TokenizerManager
 from srt_lite.managers.validation import LogprobOptions, RequestError
 from srt_lite.sampling.sampling_params import SamplingParams
 
 if TYPE_CHECKING:
-    from srt_lite.entrypoints.http_server import ServerState
+    from srt_lite.entrypoints.server_state import ServerState
 
 
 # OpenAI's own defaults for fields neither the request nor generation_config sets.

@@ -3,7 +3,7 @@
 from __future__ import annotations
 
 from dataclasses import dataclass
-from typing import TYPE_CHECKING, Any, AsyncIterator, Callable
+from typing import TYPE_CHECKING, Any, AsyncIterator, Callable, Iterator
 
 from starlette.requests import Request
 from starlette.responses import Response
@@ -28,7 +28,7 @@ from srt_lite.parser.tool_call_parser import detect_tool_call_format
 from srt_lite.sampling.sampling_params import SamplingParams
 
 if TYPE_CHECKING:
-    from srt_lite.entrypoints.http_server import ServerState
+    from srt_lite.entrypoints.server_state import ServerState
 
 
 @dataclass
@@ -212,23 +212,8 @@ class OpenAIServingChat(OpenAIServingBase):
                 completion[idx] = meta["completion_tokens"]
                 if idx not in outputs:
                     outputs[idx] = new_output()
-                out = outputs[idx]
-                reason, matched = finish_reason(meta)
-                deltas = out.feed(chunk["text"], final=reason is not None)
-                lp = self.logprob_items(meta) if req.logprobs else []
-                if lp and not deltas:
-                    deltas = [{}]
-                for k, delta in enumerate(deltas):
-                    # The chunk's logprobs ride on its first delta.
-                    lps = ({"content": lp} if k == 0 else {"content": []}) if req.logprobs else None
-                    yield event({"index": idx, "delta": delta, "logprobs": lps, "finish_reason": None}, running_usage())
-                if reason == "stop" and out.made_calls:
-                    reason = "tool_calls"
-                if reason is not None:
-                    yield event(
-                        {"index": idx, "delta": {}, "logprobs": None, "finish_reason": reason, "matched_stop": matched},
-                        running_usage(),
-                    )
+                for choice in self.choice_deltas(req, idx, chunk, outputs[idx]):
+                    yield event(choice, running_usage())
                 item = await anext_or_none(choices)
             else:
                 if include_usage:
@@ -236,6 +221,24 @@ class OpenAIServingChat(OpenAIServingBase):
             yield SSE_DONE
         finally:
             await choices.aclose()
+
+    def choice_deltas(self, req: ChatCompletionRequest, idx: int, chunk: dict, out: ChoiceOutput) -> Iterator[dict]:
+        """The stream's choice objects for one output chunk of choice `idx`: its deltas, then
+        the finishing one when the chunk ends the choice."""
+        meta = chunk["meta_info"]
+        reason, matched = finish_reason(meta)
+        deltas = out.feed(chunk["text"], final=reason is not None)
+        lp = self.logprob_items(meta) if req.logprobs else []
+        if lp and not deltas:
+            deltas = [{}]
+        for k, delta in enumerate(deltas):
+            # The chunk's logprobs ride on its first delta.
+            lps = ({"content": lp} if k == 0 else {"content": []}) if req.logprobs else None
+            yield {"index": idx, "delta": delta, "logprobs": lps, "finish_reason": None}
+        if reason == "stop" and out.made_calls:
+            reason = "tool_calls"
+        if reason is not None:
+            yield {"index": idx, "delta": {}, "logprobs": None, "finish_reason": reason, "matched_stop": matched}
 
     # ---- helpers -------------------------------------------------------------------------
 

@@ -22,7 +22,7 @@ from srt_lite.entrypoints.openai.structured import check_grammar, request_gramma
 from srt_lite.managers.validation import LogprobOptions, RequestError
 
 if TYPE_CHECKING:
-    from srt_lite.entrypoints.http_server import ServerState
+    from srt_lite.entrypoints.server_state import ServerState
 
 
 async def create_completion(request: Request) -> Response:

@@ -12,7 +12,7 @@ from srt_lite.entrypoints.errors import ModelNotFound
 from srt_lite.entrypoints.http_io import json_response
 
 if TYPE_CHECKING:
-    from srt_lite.entrypoints.http_server import ServerState
+    from srt_lite.entrypoints.server_state import ServerState
 
 
 def check_model(state: ServerState, name: str) -> None:

@@ -27,7 +27,7 @@ from srt_lite.entrypoints.openai.serving_chat import ChatRun, OpenAIServingChat
 from srt_lite.managers.validation import RequestError
 
 if TYPE_CHECKING:
-    from srt_lite.entrypoints.http_server import ServerState
+    from srt_lite.entrypoints.server_state import ServerState
 
 
 def _serving(request: Request) -> "OpenAIServingResponses":

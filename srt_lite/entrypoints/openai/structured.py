@@ -18,7 +18,7 @@ from srt_lite.entrypoints.openai.protocol import ResponseFormat, _SamplingFields
 from srt_lite.managers.validation import RequestError
 
 if TYPE_CHECKING:
-    from srt_lite.managers.tokenizer_manager import TokenizerManager
+    from srt_lite.managers.tokenizer.tokenizer_manager import TokenizerManager
 
 # The SGLang extras, in the order their conflicts are reported.
 GRAMMAR_EXTRAS = ("json_schema", "regex", "ebnf")

@@ -1,10 +1,14 @@
+"""Attention backends by name: choose_attention_backend resolves a name for a device and dtype,
+create_attention_backend builds it from an AttentionConfig."""
+
 from __future__ import annotations
 
+import importlib
 import logging
 
 import torch
 
-from srt_lite.layers.attention.base import AttentionBackend
+from srt_lite.layers.attention.base import AttentionBackend, AttentionConfig
 
 logger = logging.getLogger(__name__)
 
@@ -57,15 +61,16 @@ def choose_attention_backend(name: str, device: str, dtype: torch.dtype | None) 
     raise ValueError(f"unknown attention backend {name!r}")
 
 
-def create_attention_backend(name: str, device: str, model_runner) -> AttentionBackend:
-    """The backend chosen by choose_attention_backend for the runner's dtype, sized for its
-    model (a ModelRunner: dtype, model_config, tp_size)."""
-    name = choose_attention_backend(name, device, getattr(model_runner, "dtype", None))
-    if name == "torch_native":
-        from srt_lite.layers.attention.torch_native_backend import TorchNativeAttnBackend
+# Registered backends: name -> "module:class", imported when chosen, so that an optional
+# package (flashinfer) is loaded only where it runs. Each class is built as cls(config).
+BACKENDS = {
+    "torch_native": "srt_lite.layers.attention.torch_native.backend:TorchNativeAttnBackend",
+    "flashinfer": "srt_lite.layers.attention.flashinfer_backend:FlashInferAttnBackend",
+}
 
-        num_heads = model_runner.model_config.num_heads // model_runner.tp_size  # query heads per rank
-        return TorchNativeAttnBackend(device=device, num_heads=num_heads)
-    from srt_lite.layers.attention.flashinfer_backend import FlashInferAttnBackend
 
-    return FlashInferAttnBackend(model_runner)
+def create_attention_backend(name: str, config: AttentionConfig) -> AttentionBackend:
+    """The backend choose_attention_backend picks for the config's device and dtype."""
+    name = choose_attention_backend(name, config.device, config.dtype)
+    module, cls = BACKENDS[name].split(":")
+    return getattr(importlib.import_module(module), cls)(config)

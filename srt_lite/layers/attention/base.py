@@ -1,14 +1,52 @@
+"""The attention backend contract: what the model runner, the CUDA graph runner and the C++
+decoder stack may ask of a backend, in terms of the batch and the KV pool alone."""
+
 from __future__ import annotations
 
 import contextlib
+import dataclasses
 from abc import ABC, abstractmethod
-from typing import TYPE_CHECKING, Any
+from typing import TYPE_CHECKING
 
 import torch
 
 if TYPE_CHECKING:
     from srt_lite.layers.radix_attention import RadixAttention
+    from srt_lite.mem_cache.memory_pool import ReqToTokenPool, TokenToKVPool
     from srt_lite.model_executor.forward_batch import ForwardBatch
+
+
+@dataclasses.dataclass
+class AttentionConfig:
+    """What a backend is built from: the model's attention shape on this rank and the pools."""
+
+    device: str
+    dtype: torch.dtype
+    num_heads: int  # query heads per rank
+    num_kv_heads: int = 0  # KV heads per rank
+    head_dim: int = 0
+    scaling: float = 0.0  # softmax scale of the model's layers
+    architectures: tuple[str, ...] = ()  # the checkpoint's HF architectures
+    req_to_token_pool: "ReqToTokenPool | None" = None
+    token_to_kv_pool: "TokenToKVPool | None" = None
+
+
+@dataclasses.dataclass
+class DecoderStackArgs:
+    """A step's attention as the C++ decoder stack (srt_lite_cpu::decoder_layers) runs it: each
+    row's own slots (`slots`, by q_offsets/k_offsets), and a prefix shared by every row
+    (`prefix_index` from `prefix_start`, `prefix_len` keys; none when prefix_len is 0).
+    `prompt`: every row through the prompt op (batch-invariant inference), `bf16_dot` its
+    dot-product kind."""
+
+    slots: torch.Tensor
+    q_offsets: torch.Tensor
+    k_offsets: torch.Tensor
+    prefix_start: int = -1
+    prefix_len: int = 0
+    prefix_index: torch.Tensor | None = None
+    prompt: bool = False
+    bf16_dot: bool = False
 
 
 class AttentionBackend(ABC):
@@ -27,7 +65,7 @@ class AttentionBackend(ABC):
     takes_padded_rows: bool = False
 
     # True when decode steps can be captured in CUDA graphs (model_executor/cuda_graph_runner.py):
-    # the backend then implements make_cuda_graph_decode_wrapper and plan_decode.
+    # the backend then implements the graph hooks at the end of this class.
     supports_cuda_graph: bool = False
 
     @property
@@ -55,17 +93,29 @@ class AttentionBackend(ABC):
     ) -> torch.Tensor:  # [T, num_heads * head_dim]
         ...
 
-    # ---- decode CUDA graphs (only where supports_cuda_graph) ------------------------------
+    def decoder_stack_args(self, forward_batch: "ForwardBatch") -> DecoderStackArgs | None:
+        """The step's attention in the form the C++ decoder stack runs it, or None where this
+        step's plan has no such form (the stack then leaves the step to the Python layers)."""
+        return None
 
-    def make_cuda_graph_decode_wrapper(
-        self, indptr_buf: torch.Tensor, indices_buf: torch.Tensor, last_page_len_buf: torch.Tensor
-    ) -> Any:
-        """A decode planner whose index tensors live in the given fixed buffers, as a CUDA
-        graph needs; one per captured batch size."""
+    # ---- decode CUDA graphs (only where supports_cuda_graph) ------------------------------
+    # A graph is captured once per batch size over fixed input buffers; the backend keeps
+    # whatever fixed buffers its kernels read, and replans them before each replay.
+
+    def init_graph_state(self, max_bs: int, max_context: int) -> None:
+        """Allocates the fixed buffers for graphs of up to max_bs rows of max_context tokens."""
         raise NotImplementedError(f"{type(self).__name__} does not capture CUDA graphs")
 
-    def plan_decode(
-        self, wrapper: Any, kv_indptr: torch.Tensor, kv_indices: torch.Tensor, last_page_len: torch.Tensor
-    ) -> None:
-        """Plans a decode step of a wrapper from make_cuda_graph_decode_wrapper."""
+    def graph_can_run(self, forward_batch: "ForwardBatch") -> bool:
+        """Whether a decode batch fits the fixed buffers."""
+        return True
+
+    def init_forward_metadata_capture(self, forward_batch: "ForwardBatch") -> None:
+        """Sets forward_batch.attn_metadata for capturing its batch size, every row a padding
+        row (one token of KV at slot 0)."""
+        raise NotImplementedError(f"{type(self).__name__} does not capture CUDA graphs")
+
+    def init_forward_metadata_replay(self, forward_batch: "ForwardBatch", size: int) -> None:
+        """Replans the graph captured for `size` rows for this real batch (rows past its
+        batch size are padding rows, as at capture)."""
         raise NotImplementedError(f"{type(self).__name__} does not capture CUDA graphs")

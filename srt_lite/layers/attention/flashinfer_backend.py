@@ -27,12 +27,11 @@ from typing import TYPE_CHECKING, Any
 import torch
 
 from srt_lite import envs
-from srt_lite.layers.attention.base import AttentionBackend
-from srt_lite.layers.radix_attention import RadixAttention
+from srt_lite.layers.attention.base import AttentionBackend, AttentionConfig
 
 if TYPE_CHECKING:
     from srt_lite.model_executor.forward_batch import ForwardBatch
-    from srt_lite.model_executor.model_runner import ModelRunner
+    from srt_lite.layers.radix_attention import RadixAttention
 
 # The float workspace (split-KV partial results of a batch) is sized as SGLang sizes it:
 # SGLANG_FLASHINFER_WORKSPACE_SIZE (python/sglang/srt/environ.py) defaults to 384 MiB, and
@@ -89,25 +88,23 @@ def build_kv_indices(
 class FlashInferAttnBackend(AttentionBackend):
     supports_cuda_graph = True
 
-    def __init__(self, model_runner: "ModelRunner"):
+    def __init__(self, config: AttentionConfig):
         import flashinfer  # optional dependency: only the CUDA path needs it
 
         self.flashinfer = flashinfer
-        self.device = model_runner.device
-        self.dtype = model_runner.dtype
-        cfg = model_runner.model_config
-        self.num_qo_heads = cfg.num_heads // model_runner.tp_size
-        self.num_kv_heads = model_runner.kv_heads_per_rank()
-        self.head_dim = cfg.head_dim
-        layers = [m for m in model_runner.model.modules() if isinstance(m, RadixAttention)]
-        self.scaling = layers[0].scaling if layers else self.head_dim**-0.5
-        self.req_to_token = model_runner.req_to_token_pool.req_to_token
-        pool = model_runner.token_to_kv_pool
+        self.device = config.device
+        self.dtype = config.dtype
+        self.num_qo_heads = config.num_heads
+        self.num_kv_heads = config.num_kv_heads
+        self.head_dim = config.head_dim
+        self.scaling = config.scaling
+        self.req_to_token = config.req_to_token_pool.req_to_token
+        pool = config.token_to_kv_pool
         shape = (-1, 1, self.num_kv_heads, self.head_dim)  # [pages, page_size = 1, Hkv, D]
         self.kv_caches = [(k.view(shape), v.view(shape)) for k, v in zip(pool.k_buffer, pool.v_buffer)]
         # uint8, shared by every wrapper (they never run concurrently). Zeroed: FlashInfer
         # documents that the float workspace must be zero at its first use.
-        size = workspace_bytes(getattr(cfg.hf_config, "architectures", None))
+        size = workspace_bytes(list(config.architectures))
         self.workspace = torch.zeros(size, dtype=torch.uint8, device=self.device)
         # Tensor-core decode pays off once several query heads share a KV head: FlashInfer
         # then fuses the head group with the token axis in its MMA (SGLang's rule, >= 4).
@@ -146,16 +143,43 @@ class FlashInferAttnBackend(AttentionBackend):
             sm_scale=self.scaling, q_data_type=self.dtype, kv_data_type=self.dtype,
         )
 
-    def make_cuda_graph_decode_wrapper(
-        self, indptr_buf: torch.Tensor, indices_buf: torch.Tensor, last_page_len_buf: torch.Tensor
-    ) -> Any:
-        """A decode wrapper whose index tensors live in the given fixed buffers, as a CUDA
-        graph needs; one per captured batch size (the batch size is fixed per wrapper)."""
-        return self.flashinfer.BatchDecodeWithPagedKVCacheWrapper(
+    # ---- decode CUDA graphs ---------------------------------------------------------------
+
+    def init_graph_state(self, max_bs: int, max_context: int) -> None:
+        # One decode wrapper per captured size over fixed index buffers: indptr and
+        # last_page_len per size, indices shared. Rows that share a cached prefix list the
+        # same slots, so the sum of lengths is bounded by rows x context, not by the pool.
+        self.graph_kv_indices = torch.zeros(max_bs * max_context, dtype=torch.int32, device=self.device)  # [max_bs * max_context]
+        self.graph_max_bs = max_bs
+        self.graph_wrappers: dict[int, Any] = {}
+        self.host_ones = torch.ones(max_bs, dtype=torch.int32)  # [max_bs] last_page_len for plan, host
+
+    def graph_can_run(self, fb: "ForwardBatch") -> bool:
+        return sum(fb.seq_lens_cpu) + self.graph_max_bs <= self.graph_kv_indices.numel()
+
+    def init_forward_metadata_capture(self, fb: "ForwardBatch") -> None:
+        bs = fb.batch_size
+        indptr = torch.arange(bs + 1, dtype=torch.int32, device=self.device)  # [bs + 1]
+        last_page_len = torch.ones(bs, dtype=torch.int32, device=self.device)  # [bs]
+        wrapper = self.graph_wrappers[bs] = self.flashinfer.BatchDecodeWithPagedKVCacheWrapper(
             self.workspace, "NHD", use_cuda_graph=True, use_tensor_cores=self.decode_tensor_cores,
-            backend=FLASHINFER_KERNELS, paged_kv_indptr_buffer=indptr_buf, paged_kv_indices_buffer=indices_buf,
-            paged_kv_last_page_len_buffer=last_page_len_buf,
+            backend=FLASHINFER_KERNELS, paged_kv_indptr_buffer=indptr, paged_kv_indices_buffer=self.graph_kv_indices,
+            paged_kv_last_page_len_buffer=last_page_len,
         )
+        # Captured with every row a padding row: one KV page, slot 0.
+        self.plan_decode(wrapper, torch.arange(bs + 1, dtype=torch.int32), self.graph_kv_indices[:bs].zero_(),
+                         self.host_ones[:bs])
+        fb.attn_metadata = wrapper
+
+    def init_forward_metadata_replay(self, fb: "ForwardBatch", size: int) -> None:
+        bs, total = fb.batch_size, sum(fb.seq_lens_cpu)
+        kv_indptr, kv_indices = build_kv_indices(self.req_to_token, fb.req_pool_indices, fb.seq_lens, fb.seq_lens_cpu)
+        # Padding rows get one page each (slot 0) after the real rows' pages.
+        pad = torch.arange(1, size - bs + 1, dtype=torch.int32) + total
+        kv_indptr = torch.cat((kv_indptr, pad))  # [size + 1]
+        kv_indices = torch.cat((kv_indices, kv_indices.new_zeros(size - bs)))  # [total + size - bs]
+        # plan copies them into the wrapper's fixed buffers, which the captured kernels read.
+        self.plan_decode(self.graph_wrappers[size], kv_indptr, kv_indices, self.host_ones[:size])
 
     # ---- per layer ----------------------------------------------------------------------
 

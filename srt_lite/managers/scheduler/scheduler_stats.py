@@ -10,9 +10,9 @@ import logging
 import time
 
 from srt_lite.managers.io_struct import GetLoadReqOutput
-from srt_lite.managers.prefill_manager import PrefillManager
-from srt_lite.managers.running_batch import RunningBatch
-from srt_lite.managers.schedule_batch import ScheduleBatch
+from srt_lite.managers.scheduler.prefill_manager import PrefillManager
+from srt_lite.managers.scheduler.running_batch import RunningBatch
+from srt_lite.managers.scheduler.schedule_batch import ScheduleBatch
 from srt_lite.mem_cache.req_kv import ReqKVManager
 from srt_lite.req import Req
 

@@ -35,14 +35,14 @@ from srt_lite.managers.io_struct import (
     ShutdownReq,
     TokenizedGenerateReqInput,
 )
-from srt_lite.managers.grammar_manager import GrammarManager
-from srt_lite.managers.output_processor import FinishChecker, OutputProcessor
-from srt_lite.managers.prefill_manager import PrefillManager
-from srt_lite.managers.running_batch import RunningBatch
-from srt_lite.managers.schedule_batch import ScheduleBatch
-from srt_lite.managers.scheduler_io import SchedulerIO
-from srt_lite.managers.scheduler_stats import SchedulerStats
-from srt_lite.managers.tp_worker import TpModelWorker
+from srt_lite.managers.scheduler.grammar_manager import GrammarManager
+from srt_lite.managers.scheduler.output_processor import FinishChecker, OutputProcessor
+from srt_lite.managers.scheduler.prefill_manager import PrefillManager
+from srt_lite.managers.scheduler.running_batch import RunningBatch
+from srt_lite.managers.scheduler.schedule_batch import ScheduleBatch
+from srt_lite.managers.scheduler.scheduler_io import SchedulerIO
+from srt_lite.managers.scheduler.scheduler_stats import SchedulerStats
+from srt_lite.managers.scheduler.tp_worker import TpModelWorker
 from srt_lite.managers.validation import RequestError, check_input, parse_sampling_params
 from srt_lite.mem_cache.req_kv import ReqKVManager
 from srt_lite.model_config import ModelConfig

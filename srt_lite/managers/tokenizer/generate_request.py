@@ -11,7 +11,7 @@ from srt_lite.managers.validation import NO_LOGPROBS, LogprobOptions, RequestErr
 from srt_lite.sampling.sampling_params import SamplingParams
 
 if TYPE_CHECKING:
-    from srt_lite.managers.tokenizer_manager import TokenizerManager
+    from srt_lite.managers.tokenizer.tokenizer_manager import TokenizerManager
 
 
 @dataclass

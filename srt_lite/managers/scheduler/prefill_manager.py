@@ -14,9 +14,9 @@ from typing import Callable
 
 import torch
 
-from srt_lite.managers.running_batch import RunningBatch
-from srt_lite.managers.schedule_batch import ScheduleBatch
-from srt_lite.managers.schedule_policy import (
+from srt_lite.managers.scheduler.running_batch import RunningBatch
+from srt_lite.managers.scheduler.schedule_batch import ScheduleBatch
+from srt_lite.managers.scheduler.schedule_policy import (
     DecodeReserve,
     PrefillAdder,
     order_waiting_queue,

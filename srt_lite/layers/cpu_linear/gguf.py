@@ -25,7 +25,8 @@ import torch
 import torch.nn.functional as F
 
 from srt_lite import cpu_caps
-from srt_lite.layers import batch_invariant, cpu_kernels
+from srt_lite.layers import batch_invariant
+from srt_lite import cpu_kernels
 from srt_lite.model_loader.gguf_types import GGUFType, dequantize
 
 # Rows up to which the integer dot products run; above, dequantized slabs and a matmul,

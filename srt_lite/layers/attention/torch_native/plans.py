@@ -1,10 +1,10 @@
 """Attention plans of the torch_native backend: how one group of a step's rows is attended.
 
-A plan is built once per step (layers/attention/build.py) from the group's KV slots and
+A plan is built once per step (layers/attention/torch_native/build.py) from the group's KV slots and
 masks, and its `attend` runs in every layer: q [Tg, H * D] of the group's tokens, in batch
 order, against the layer's KV pool -> [Tg, H * D]. Which plan a group gets is decided in
-layers/attention/choose.py. The cascade plans (a shared prefix attended once) are in
-layers/attention/cascade.py.
+layers/attention/torch_native/choose.py. The cascade plans (a shared prefix attended once) are in
+layers/attention/torch_native/cascade.py.
 """
 
 from __future__ import annotations
@@ -16,8 +16,8 @@ from typing import TYPE_CHECKING, ClassVar
 import torch
 import torch.nn.functional as F
 
-from srt_lite.layers.attention import sdpa
-from srt_lite.layers.attention.choose import PlanKind
+from srt_lite.layers.attention.torch_native import sdpa
+from srt_lite.layers.attention.torch_native.choose import PlanKind
 
 if TYPE_CHECKING:
     from srt_lite.layers.radix_attention import RadixAttention

@@ -16,7 +16,7 @@ from srt_lite.managers.io_struct import BatchStrOut
 from srt_lite.managers.validation import NO_LOGPROBS, LogprobOptions
 
 if TYPE_CHECKING:
-    from srt_lite.metrics import MetricsCollector
+    from srt_lite.managers.tokenizer.metrics import MetricsCollector
 
 LOGPROB_KEYS = (
     "input_token_logprobs", "input_top_logprobs", "input_token_ids_logprobs",

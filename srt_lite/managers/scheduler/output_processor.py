@@ -14,12 +14,12 @@ from dataclasses import dataclass
 import torch
 import torch.nn.functional as F
 
-from srt_lite.managers.running_batch import RunningBatch
-from srt_lite.managers.scheduler_io import SchedulerIO
-from srt_lite.managers.scheduler_stats import SchedulerStats
-from srt_lite.managers.tp_worker import GenerationResult
+from srt_lite.managers.scheduler.running_batch import RunningBatch
+from srt_lite.managers.scheduler.scheduler_io import SchedulerIO
+from srt_lite.managers.scheduler.scheduler_stats import SchedulerStats
+from srt_lite.managers.scheduler.tp_worker import GenerationResult
 from srt_lite.mem_cache.req_kv import ReqKVManager
-from srt_lite.parser.stop_strings import find_stop
+from srt_lite.sampling.stop_strings import find_stop
 from srt_lite.req import Req
 from srt_lite.sampling.sampling_batch_info import SamplingBatchInfo
 from srt_lite.speculative.ngram import NgramProposer

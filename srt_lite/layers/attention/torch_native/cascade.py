@@ -11,9 +11,9 @@ from typing import ClassVar
 
 import torch
 
-from srt_lite.layers.attention import sdpa
-from srt_lite.layers.attention.choose import PlanKind
-from srt_lite.layers.attention.plans import Plan, QueryLayout, attend_folded
+from srt_lite.layers.attention.torch_native import sdpa
+from srt_lite.layers.attention.torch_native.choose import PlanKind
+from srt_lite.layers.attention.torch_native.plans import Plan, QueryLayout, attend_folded
 
 
 @dataclass(frozen=True, eq=False)

@@ -18,7 +18,7 @@ import zmq.asyncio
 
 from srt_lite.constrained import GrammarError, backend_class
 from srt_lite.managers import io_struct
-from srt_lite.managers.choices import merge_streams, split_choices
+from srt_lite.managers.tokenizer.choices import merge_streams, split_choices
 from srt_lite.managers.io_struct import (
     AbortReq,
     BatchStrOut,
@@ -29,14 +29,14 @@ from srt_lite.managers.io_struct import (
     SchedulerReady,
     TokenizedGenerateReqInput,
 )
-from srt_lite.managers.req_state import ReqState
+from srt_lite.managers.tokenizer.req_state import ReqState
 from srt_lite.managers.validation import NO_LOGPROBS, LogprobOptions, RequestError, check_input, parse_sampling_params
 from srt_lite.sampling.sampling_params import SamplingParams
 from srt_lite.server_args import PortArgs, ServerArgs
 from srt_lite.utils import zmq_socket
 
 if TYPE_CHECKING:
-    from srt_lite.metrics import MetricsCollector
+    from srt_lite.managers.tokenizer.metrics import MetricsCollector
 
 # Callers import the request vocabulary from here as well as from validation.
 __all__ = ["LogprobOptions", "Overloaded", "RequestError", "TokenizerManager"]

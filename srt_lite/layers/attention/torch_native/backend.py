@@ -1,7 +1,7 @@
 """Attention with torch's scaled_dot_product_attention, for any device (the CPU path).
 
 Once per step `init_forward_metadata` splits the ragged batch into groups and picks a plan
-for each (the cost rule: layers/attention/choose.py), builds the plans' indices and masks
+for each (the cost rule: layers/attention/torch_native/choose.py), builds the plans' indices and masks
 (build.py) and stores the step's plan in `ForwardBatch.attn_metadata`; every layer then runs
 it (steps.py, plans.py, cascade.py). On the CPU a step that is one token cascade runs in the
 C++ op (csrc/cpu_attention.cpp) when it is built.
@@ -15,11 +15,12 @@ from typing import TYPE_CHECKING
 import torch
 
 from srt_lite import cpu_caps
-from srt_lite.layers import batch_invariant, cpu_kernels
-from srt_lite.layers.attention.base import AttentionBackend
-from srt_lite.layers.attention.build import RowSlots, build_step
-from srt_lite.layers.attention.choose import choose_plan, cpp_cascade_ok, prompt_rows_in_flash
-from srt_lite.layers.attention.steps import StepPlan
+from srt_lite.layers import batch_invariant
+from srt_lite import cpu_kernels
+from srt_lite.layers.attention.base import AttentionBackend, AttentionConfig, DecoderStackArgs
+from srt_lite.layers.attention.torch_native.build import RowSlots, build_step
+from srt_lite.layers.attention.torch_native.choose import choose_plan, cpp_cascade_ok, prompt_rows_in_flash
+from srt_lite.layers.attention.torch_native.steps import StepPlan
 
 if TYPE_CHECKING:
     from srt_lite.layers.radix_attention import RadixAttention
@@ -31,9 +32,9 @@ class TorchNativeAttnBackend(AttentionBackend):
     # off and padding the result again cost two more copies per layer.
     takes_padded_rows = True
 
-    def __init__(self, device: str, num_heads: int, use_cpu_kernels: bool = True):
-        self.device = device
-        self.num_heads = num_heads  # query heads of a layer on this rank
+    def __init__(self, config: AttentionConfig, use_cpu_kernels: bool = True):
+        device = self.device = config.device
+        self.num_heads = config.num_heads  # query heads of a layer on this rank
         # The C++ token-cascade op: one call a layer instead of the Python plan's dozens of
         # op calls, with each row's suffix attended exactly instead of one masked sequence.
         self.cpu_kernels = use_cpu_kernels and device == "cpu" and cpu_kernels.load()
@@ -58,6 +59,10 @@ class TorchNativeAttnBackend(AttentionBackend):
     def compiled_step(self, fb: "ForwardBatch", layers: dict) -> contextlib.AbstractContextManager:
         step: StepPlan = fb.attn_metadata
         return step.compiled_step(fb, layers)
+
+    def decoder_stack_args(self, fb: "ForwardBatch") -> DecoderStackArgs | None:
+        step: StepPlan = fb.attn_metadata
+        return step.decoder_stack_args()
 
     def forward(
         self,

@@ -24,7 +24,7 @@ from srt_lite.utils import cache_root
 
 logger = logging.getLogger(__name__)
 
-_CSRC = os.path.join(os.path.dirname(os.path.dirname(__file__)), "csrc")
+_CSRC = os.path.join(os.path.dirname(__file__), "csrc")
 SOURCES = [os.path.join(_CSRC, name) for name in ("cpu_attention.cpp", "cpu_prompt_attention.cpp", "cpu_linear.cpp",
                                                   "cpu_amx_linear.cpp", "cpu_int4_linear.cpp", "cpu_prefix_attention.cpp",
                                                   "cpu_norm_rope.cpp", "cpu_decoder.cpp", "cpu_gguf_linear.cpp")]

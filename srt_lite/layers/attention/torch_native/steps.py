@@ -12,9 +12,11 @@ from typing import TYPE_CHECKING, ClassVar, Iterator
 
 import torch
 
-from srt_lite.layers.attention.cascade import SharedPrefix
-from srt_lite.layers.attention.choose import PlanKind
-from srt_lite.layers.attention.plans import Plan
+from srt_lite.layers import batch_invariant
+from srt_lite.layers.attention.base import DecoderStackArgs
+from srt_lite.layers.attention.torch_native.cascade import SharedPrefix
+from srt_lite.layers.attention.torch_native.choose import PlanKind
+from srt_lite.layers.attention.torch_native.plans import CppPromptPlan, Plan
 
 if TYPE_CHECKING:
     from srt_lite.layers.radix_attention import RadixAttention
@@ -46,10 +48,22 @@ class StepPlan(ABC):
         """Entered around a compiled forward; nothing unless the plan runs in the graph's C++ op."""
         return contextlib.nullcontext()
 
+    def decoder_stack_args(self) -> DecoderStackArgs | None:
+        """This step in the C++ decoder stack's form (AttentionBackend.decoder_stack_args)."""
+        return None
+
 
 @dataclass(frozen=True, eq=False)
 class GroupedStep(StepPlan):
     groups: list[PlanGroup]
+
+    def decoder_stack_args(self) -> DecoderStackArgs | None:
+        # The prompt op attends a whole step only as batch-invariant inference plans it (one
+        # group of every row); other prompt steps keep the Python layers.
+        plan = self.groups[0].plan if len(self.groups) == 1 else None
+        if not (batch_invariant.enabled() and isinstance(plan, CppPromptPlan)):
+            return None
+        return DecoderStackArgs(plan.slots, plan.q_offsets, plan.k_offsets, prompt=True, bf16_dot=plan.bf16_dot)
 
     def run(self, q, k, v, layer, fb, out):
         T, Hkv, D = fb.num_tokens, layer.num_kv_heads, layer.head_dim
@@ -108,6 +122,12 @@ class CppCascadePlan(StepPlan):
             yield
         finally:
             torch.ops.srt_lite_cpu.clear_cascade_step()
+
+    def decoder_stack_args(self) -> DecoderStackArgs:
+        return DecoderStackArgs(
+            self.suffix_index, self.q_offsets, self.k_offsets, self.prefix_start_slot, self.prefix.length,
+            self.prefix.index,
+        )
 
     @property
     def prefix_start_slot(self) -> int:

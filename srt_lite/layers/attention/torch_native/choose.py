@@ -1,6 +1,6 @@
 """Which attention plan each group of a step's rows gets: the cost rule, on host lists only.
 
-A step's rows are split into groups, each attended by one plan (layers/attention/plans.py):
+A step's rows are split into groups, each attended by one plan (layers/attention/torch_native/plans.py):
 decode rows (one new token), verify rows (a few new tokens after a prefix: speculative
 decoding) and extend rows (a prompt or a chunk of one) go to separate groups, so short rows
 are never padded to a prompt chunk's length. Short rows that share a long prefix of KV
@@ -172,37 +172,48 @@ def choose_plan(
         # Python plan per kind.
         return [GroupChoice(list(range(B)), PlanKind.CPP_CASCADE, 0)]
     chosen = groups + [choose(rows, cpp and alone) for rows in by_kind]
-    prompts = (PlanKind.EXTEND, PlanKind.PREFILL)
     if flash_rows:
-        # One flash call per long row computes no padded pairs; a row with a cached prefix
-        # keeps its mask (the flash kernel's causal flag assumes queries and keys start
-        # together). Short fresh prompts stay one group: a call per row would cost more
-        # than their pairs.
-        split: list[GroupChoice] = []
-        for c in chosen:
-            if c.kind not in prompts:
-                split.append(c)
-                continue
-            own = [b for b in c.rows if prefix[b] or ext[b] >= FLASH_ROW_MIN_Q]
-            rest = [b for b in c.rows if b not in own]
-            if rest:
-                split.append(GroupChoice(rest, PlanKind.CPP_PROMPT, 0) if cpp else choose(rest, False))
-            split += [GroupChoice([b], PlanKind.EXTEND if prefix[b] else PlanKind.PREFILL, 0) for b in own]
-        chosen = split
+        chosen = _long_prompts_in_flash(chosen, ext, prefix, cpp, choose)
     elif cpp:
         # Prompts and chunks: the C++ prompt op computes each row's own causal pairs, several
         # times faster than the flash kernel on one prompt (without AMX) and without a batch's
         # padded pairs.
-        chosen = [GroupChoice(c.rows, PlanKind.CPP_PROMPT, 0) if c.kind in prompts else c for c in chosen]
+        chosen = [GroupChoice(c.rows, PlanKind.CPP_PROMPT, 0) if c.kind in _PROMPTS else c for c in chosen]
     if cpp and not alone:
-        # Beside a prompt chunk, the decode and few-token rows still run in C++, as one group.
-        def own(rows: list[int]) -> bool:
-            return own_keys_in_cpp([ext[b] for b in rows])
-
-        short = [c for c in chosen if c.kind in (PlanKind.DECODE, PlanKind.FOLDED)]
-        rows = sorted(b for c in short for b in c.rows)
-        if short and own(rows):
-            chosen = [GroupChoice(rows, PlanKind.CPP_OWN_KEYS, 0)] + [c for c in chosen if c not in short]
-        else:
-            chosen = [GroupChoice(c.rows, PlanKind.CPP_OWN_KEYS, 0) if c in short and own(c.rows) else c for c in chosen]
+        chosen = _short_rows_in_cpp(chosen, ext)
     return chosen
+
+
+_PROMPTS = (PlanKind.EXTEND, PlanKind.PREFILL)
+
+
+def _long_prompts_in_flash(
+    chosen: list[GroupChoice], ext: list[int], prefix: list[int], cpp: bool,
+    choose: Callable[[list[int], bool], GroupChoice | None],
+) -> list[GroupChoice]:
+    """One flash call per long row computes no padded pairs; a row with a cached prefix keeps
+    its mask (the flash kernel's causal flag assumes queries and keys start together). Short
+    fresh prompts stay one group: a call per row would cost more than their pairs."""
+    split: list[GroupChoice] = []
+    for c in chosen:
+        if c.kind not in _PROMPTS:
+            split.append(c)
+            continue
+        own = [b for b in c.rows if prefix[b] or ext[b] >= FLASH_ROW_MIN_Q]
+        rest = [b for b in c.rows if b not in own]
+        if rest:
+            split.append(GroupChoice(rest, PlanKind.CPP_PROMPT, 0) if cpp else choose(rest, False))
+        split += [GroupChoice([b], PlanKind.EXTEND if prefix[b] else PlanKind.PREFILL, 0) for b in own]
+    return split
+
+
+def _short_rows_in_cpp(chosen: list[GroupChoice], ext: list[int]) -> list[GroupChoice]:
+    """Beside a prompt chunk, the decode and few-token rows still run in C++, as one group."""
+    def own(rows: list[int]) -> bool:
+        return own_keys_in_cpp([ext[b] for b in rows])
+
+    short = [c for c in chosen if c.kind in (PlanKind.DECODE, PlanKind.FOLDED)]
+    rows = sorted(b for c in short for b in c.rows)
+    if short and own(rows):
+        return [GroupChoice(rows, PlanKind.CPP_OWN_KEYS, 0)] + [c for c in chosen if c not in short]
+    return [GroupChoice(c.rows, PlanKind.CPP_OWN_KEYS, 0) if c in short and own(c.rows) else c for c in chosen]

@@ -1,4 +1,4 @@
-"""Builds a step's plans from the rule's choices (layers/attention/choose.py): the groups'
+"""Builds a step's plans from the rule's choices (layers/attention/torch_native/choose.py): the groups'
 KV slot indices, masks (as additive biases in the KV dtype, built once per step rather than
 in every layer) and query layouts."""
 
@@ -9,14 +9,14 @@ from typing import TYPE_CHECKING
 
 import torch
 
-from srt_lite.layers import cpu_kernels
-from srt_lite.layers.attention.cascade import CascadePlan, SharedPrefix, TokenCascadePlan
-from srt_lite.layers.attention.choose import GroupChoice, PlanKind
-from srt_lite.layers.attention.plans import (
+from srt_lite import cpu_kernels
+from srt_lite.layers.attention.torch_native.cascade import CascadePlan, SharedPrefix, TokenCascadePlan
+from srt_lite.layers.attention.torch_native.choose import GroupChoice, PlanKind
+from srt_lite.layers.attention.torch_native.plans import (
     CppOwnKeysPlan, CppPromptPlan, DecodePlan, ExtendPlan, FoldedPlan, Plan, PrefillPlan, QueryLayout,
 )
-from srt_lite.layers.attention.sdpa import additive
-from srt_lite.layers.attention.steps import CppCascadePlan, GroupedStep, PlanGroup, StepPlan
+from srt_lite.layers.attention.torch_native.sdpa import additive
+from srt_lite.layers.attention.torch_native.steps import CppCascadePlan, GroupedStep, PlanGroup, StepPlan
 
 if TYPE_CHECKING:
     from srt_lite.model_executor.forward_batch import ForwardBatch

@@ -12,7 +12,7 @@ import torch
 from srt_lite import envs
 from srt_lite.distributed.parallel_state import tp_broadcast_from_first
 
-from srt_lite.managers.schedule_batch import ScheduleBatch
+from srt_lite.managers.scheduler.schedule_batch import ScheduleBatch
 from srt_lite.req import Req
 from srt_lite.model_config import ModelConfig
 from srt_lite.model_executor.model_runner import ModelRunner
