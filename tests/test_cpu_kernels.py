@@ -830,7 +830,7 @@ def test_prompts_and_chunks_take_the_prompt_op_with_the_torch_ops_logits(tmp_pat
 
 def test_disabled_by_environment():
     env = dict(os.environ, SRT_LITE_DISABLE_CPU_KERNELS="1")
-    code = "from srt_lite.layers import cpu_kernels; print(cpu_kernels.load())"
+    code = "from srt_lite import cpu_kernels; print(cpu_kernels.load())"
     out = subprocess.run([sys.executable, "-c", code], env=env, capture_output=True, text=True, check=True)
     assert out.stdout.strip() == "False"
 
