@@ -37,7 +37,7 @@ from pathlib import Path
 import httpx
 
 ROOT = Path(__file__).resolve().parent.parent
-sys.path[:0] = [str(ROOT / "tests"), str(Path(__file__).resolve().parent)]
+sys.path[:0] = [str(ROOT / "tests" / "helpers"), str(Path(__file__).resolve().parent)]
 
 from bench_serving import RESULTS_DIR, WORDS, RequestOutput, percentile, stream_request  # noqa: E402
 from router_utils import FAST_HEALTH_CHECKS, RouterProcess, kill_worker, start_workers, worker_counters  # noqa: E402

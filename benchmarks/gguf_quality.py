@@ -26,7 +26,7 @@ import tempfile
 
 import torch
 
-sys.path.insert(0, os.path.join(os.path.dirname(os.path.abspath(__file__)), "..", "tests"))
+sys.path.insert(0, os.path.join(os.path.dirname(os.path.abspath(__file__)), "..", "tests", "helpers"))
 
 from model_harness import Harness  # noqa: E402
 from srt_lite.model_config import ModelConfig  # noqa: E402

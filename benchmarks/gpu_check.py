@@ -3,7 +3,7 @@
     python benchmarks/gpu_check.py [--device cuda|cpu] [--out DIR] [logits] [server] [w2]
 
 logits: srt_lite's logits against transformers' on the same device and dtype, for the tiny
-    head_dim 64 and 128 models of tests/gpu_check_models.py: a prefill, greedy decode steps
+    head_dim 64 and 128 models of tests/helpers/gpu_check_models.py: a prefill, greedy decode steps
     (through the decode CUDA graphs on a GPU) and an extend on a cached prefix. bfloat16 and
     float32, both with `--attention-backend auto`, which must pick flashinfer for bf16 on CUDA
     and torch_native for fp32.
@@ -20,7 +20,7 @@ w2 (not run by default): docs/benchmarks.md's W2 through the server, results in 
 
 The reference is transformers rather than srt_lite's CPU path: it shares no code with the
 engine under test, it needs no C++ build on the GPU machine, and the CPU suite already holds
-srt_lite's CPU path to transformers (tests/test_model_smollm2.py).
+srt_lite's CPU path to transformers (tests/e2e/test_model_smollm2.py).
 
 `--device cpu` runs the same logic on the CPU (bf16 and fp32 through torch_native, the servers
 on the CPU): a dry run of this script on a machine without a GPU. Prints one line per check and
@@ -44,7 +44,7 @@ import httpx
 import torch
 
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
-sys.path[:0] = [ROOT, os.path.join(ROOT, "tests")]
+sys.path[:0] = [ROOT, os.path.join(ROOT, "tests", "helpers")]
 
 from gpu_check_models import GPU_CASES, make_gpu_tiny_model  # noqa: E402
 from model_harness import Harness  # noqa: E402

@@ -2,7 +2,7 @@
 # The CUDA check: run this on a machine with a CUDA GPU (python3 with a CUDA build of torch,
 # transformers, pytest, httpx and psutil). It exits non-zero when any step fails and ends with
 # one summary line. What it checks, in this order:
-#   pytest  tests/test_flashinfer.py -m gpu: flashinfer against torch_native on the GPU, decode
+#   pytest  tests/e2e/test_flashinfer.py -m gpu: flashinfer against torch_native on the GPU, decode
 #           CUDA graphs against eager, torch_native's cascade on CUDA against transformers,
 #           the fp32 backend choice, and the engine's greedy answer (default model).
 #           FlashInfer JIT-builds its kernels here (head_dim 64 and 128, bf16: a few minutes).
@@ -215,7 +215,7 @@ run_checks() {
     [[ " ${FAILED[*]} " == *" env "* ]] && die "the environment check failed (see env.log)"
     for s in "${steps[@]}"; do
         case $s in
-            pytest) step pytest python3 -m pytest -q -p no:cacheprovider -m gpu -rA tests/test_flashinfer.py ;;
+            pytest) step pytest python3 -m pytest -q -p no:cacheprovider -m gpu -rA tests/e2e/test_flashinfer.py ;;
             logits) step logits python3 benchmarks/gpu_check.py --device cuda --out "$OUT" logits ;;
             server) step server python3 benchmarks/gpu_check.py --device cuda --out "$OUT" server ;;
             w2) step w2 python3 benchmarks/gpu_check.py --device cuda --out "$OUT" w2 ;;
@@ -227,7 +227,7 @@ run_checks() {
 dry_run() {
     local py=python3
     [[ -x .venv/bin/python ]] && py=.venv/bin/python
-    step pytest "$py" -m pytest -q -p no:cacheprovider -m "not gpu" tests/test_flashinfer.py
+    step pytest "$py" -m pytest -q -p no:cacheprovider -m "not gpu" tests/e2e/test_flashinfer.py
     step logits "$py" benchmarks/gpu_check.py --device cpu --out "$OUT" logits
     step server "$py" benchmarks/gpu_check.py --device cpu --out "$OUT" --max-new-tokens 24 server
     summary

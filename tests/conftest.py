@@ -6,25 +6,14 @@ import sys
 import pytest
 import torch
 
-sys.path.insert(0, os.path.dirname(__file__))
+# Shared helpers (servers, tiny models, clients) are imported by name from tests/helpers.
+sys.path.insert(0, os.path.join(os.path.dirname(__file__), "helpers"))
 
+from engine_utils import wait_idle  # noqa: E402
 from srt_lite.model_config import ModelConfig  # noqa: E402
 from srt_lite.model_loader.default_model import resolve_model_path  # noqa: E402
 
 torch.manual_seed(0)
-
-# Short raw prompts shared by the engine and scheduler tests.
-PROMPTS = [
-    "Hello, my name is",
-    "The capital of France is",
-    "def add(a, b):",
-    "Once upon a time,",
-    "List three colors:",
-    "The meaning of life is",
-    "In 1492, Columbus",
-    "Water boils at",
-]
-
 
 @pytest.fixture(scope="session")
 def default_model_dir() -> str:
@@ -51,14 +40,6 @@ def default_model_config(default_model_dir) -> ModelConfig:
     return ModelConfig.load(default_model_dir)
 
 
-def chat_ids(tokenizer, content: str) -> list[int]:
-    """Token ids of a one-turn chat prompt, as the server builds them."""
-    text = tokenizer.apply_chat_template(
-        [{"role": "user", "content": content}], add_generation_prompt=True, tokenize=False
-    )
-    return tokenizer.encode(text, add_special_tokens=False)
-
-
 @pytest.fixture(scope="session")
 def engine():
     """One fp32 Engine shared by the engine tests (fp32 so that batching never changes a
@@ -70,23 +51,6 @@ def engine():
     eng.shutdown()
 
 
-_REFERENCES: dict[tuple[str, bytes], dict] = {}
-
-
-def plain_outputs(engine, prompts: list[str], params: dict) -> list[dict]:
-    """The shared engine's outputs for `prompts` under `params`, computed as one batch and
-    remembered for the session: tests compare other engines' outputs against these, and
-    test_concurrent_equals_alone checks that a batch gives each prompt its output alone."""
-    import orjson
-
-    key = orjson.dumps(params, option=orjson.OPT_SORT_KEYS)
-    todo = [p for p in dict.fromkeys(prompts) if (p, key) not in _REFERENCES]
-    if todo:
-        for p, out in zip(todo, engine.generate(todo, params)):
-            _REFERENCES[p, key] = out
-    return [_REFERENCES[p, key] for p in prompts]
-
-
 @pytest.fixture(autouse=True)
 def kv_invariant_after_test(request):
     """After every test that used the shared engine: no request holds KV and
@@ -96,15 +60,3 @@ def kv_invariant_after_test(request):
         load = wait_idle(request.getfixturevalue("engine"))
         assert load.kv_used_tokens == 0 and load.num_running_reqs == 0 and load.num_waiting_reqs == 0
         assert load.invariant_ok
-
-
-def wait_idle(engine, timeout: float = 10.0):
-    """Waits until no request holds KV, then returns the scheduler's load report."""
-    import time
-
-    deadline = time.monotonic() + timeout
-    while True:
-        load = engine.get_load()
-        if (load.num_running_reqs == 0 and load.num_waiting_reqs == 0 and load.kv_used_tokens == 0) or time.monotonic() > deadline:
-            return load
-        time.sleep(0.05)

@@ -6,7 +6,7 @@
 // C++ ops that do the work; at a few rows a step those calls cost as much as the arithmetic
 // of the small models, and on two cores they also take the time the ops could run in. Here
 // the same ops run in the same order with the same arguments, called from C++: the results
-// equal the Python loop's bit for bit (tests/test_cpp_decoder.py).
+// equal the Python loop's bit for bit (tests/e2e/test_cpp_decoder.py).
 //
 // A stack is registered once per model (register_decoder_stack) with every layer's norm
 // weights and, for each linear and each class of row counts, the product the layer would

@@ -149,7 +149,7 @@ class PackableLinear(nn.Module):
     def cpp_choice(self, rows: int) -> tuple[int, torch.Tensor, torch.Tensor | None, int] | None:
         """The product matmul() runs for `rows` rows (no traced graph), as the C++ decoder
         stack takes it: (kind, weight, its scales or None, n); None where it has no C++ form
-        (the oneDNN-packed weight). Keep in step with matmul: tests/test_cpp_decoder.py
+        (the oneDNN-packed weight). Keep in step with matmul: tests/e2e/test_cpp_decoder.py
         checks the stack against the Python layers at each row class."""
         if self.gguf is not None:  # GGUFWeight.forward through its registered parts
             return CPP_GGUF, self.gguf.kernel_parts[0], None, self.gguf.cpp_key()

@@ -1,4 +1,4 @@
-"""Tiny random models for the CUDA checks (tests/test_flashinfer.py, benchmarks/gpu_check.py).
+"""Tiny random models for the CUDA checks (tests/e2e/test_flashinfer.py, benchmarks/gpu_check.py).
 
 FlashInfer's prefill kernels reject the head sizes of the CPU suite's tiny models (16 and 32:
 "Invalid configuration"). These two use 64 and 128, the sizes real models use, and cover

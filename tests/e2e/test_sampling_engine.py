@@ -4,7 +4,7 @@ from __future__ import annotations
 
 import torch
 
-from conftest import chat_ids, wait_idle
+from engine_utils import chat_ids, wait_idle
 
 PROMPT = "Once upon a time, in a small village,"
 

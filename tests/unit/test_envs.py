@@ -7,7 +7,7 @@ from pathlib import Path
 
 from srt_lite import envs
 
-ROOT = Path(__file__).resolve().parent.parent
+ROOT = Path(__file__).resolve().parents[2]
 
 
 def test_only_envs_py_names_srt_lite_variables():

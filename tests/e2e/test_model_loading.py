@@ -84,7 +84,7 @@ def test_default_model_is_found_without_importing_its_package(default_model_dir)
 
 
 def test_resolve_dtype_names_and_auto():
-    """auto follows the CPU's rule (tests/test_cpu_caps.py checks the rule per CPU class)."""
+    """auto follows the CPU's rule (tests/e2e/test_cpu_caps.py checks the rule per CPU class)."""
     from srt_lite import cpu_caps
     from srt_lite import cpu_kernels
 

@@ -8,6 +8,7 @@ import json
 
 import pytest
 
+from openai_helpers import WEATHER
 from srt_lite.entrypoints.openai.protocol import ChatCompletionRequest
 from srt_lite.entrypoints.openai.tool_prompt import (
     preamble,
@@ -19,14 +20,6 @@ from srt_lite.entrypoints.openai.tool_prompt import (
 from srt_lite.entrypoints.openai.tools import plan_tools
 from srt_lite.managers.validation import RequestError
 
-WEATHER = {
-    "type": "function",
-    "function": {
-        "name": "get_weather",
-        "description": "Current weather in a city",
-        "parameters": {"type": "object", "properties": {"city": {"type": "string"}}, "required": ["city"]},
-    },
-}
 CALL = {"id": "call_1", "type": "function", "function": {"name": "get_weather", "arguments": '{"city": "Paris"}'}}
 HISTORY = [
     {"role": "system", "content": "Be brief."},

@@ -10,7 +10,7 @@ import re
 import jsonschema
 import pytest
 
-from conftest import PROMPTS, chat_ids, wait_idle
+from engine_utils import PROMPTS, chat_ids, wait_idle
 from srt_lite import Engine
 from srt_lite.managers.validation import RequestError
 

@@ -4,7 +4,7 @@ The index building, the backend choice, the backend's planning (against a refere
 FlashInfer's wrappers) and torch_native's non-CPU attention branch run everywhere (plain
 torch). The tests marked `gpu` need a CUDA device (and flashinfer-python, most of them) and
 are skipped without them. They run tiny models of head_dim 64 and 128 (FlashInfer's prefill
-rejects the CPU suite's 16 and 32; tests/gpu_check_models.py), and compare the flashinfer
+rejects the CPU suite's 16 and 32; tests/helpers/gpu_check_models.py), and compare the flashinfer
 backend with torch_native on the same GPU (prefill, cached-prefix extend mixed with decode
 rows, speculative verify rows, decode), CUDA-graph replay with eager decode (including padded
 batch sizes), torch_native's cascade steps on CUDA with transformers, and the served model's
@@ -146,7 +146,7 @@ def test_torch_native_steps_through_the_generic_branch_match_the_cpu_op(tmp_path
     from srt_lite.model_config import ModelConfig
     from srt_lite.model_executor.model_runner import ModelRunner
     from srt_lite.server_args import ServerArgs
-    from test_tiny_models import make_tiny_model
+    from tiny_models import make_tiny_model
 
     path = make_tiny_model("llama", tmp_path / "llama")
     runners = [ModelRunner(ModelConfig.load(path), ServerArgs(dtype="float32", max_total_tokens=4096)) for _ in range(2)]
@@ -237,7 +237,7 @@ def test_flashinfer_backend_logic_against_reference_kernels(tmp_path, monkeypatc
     from srt_lite.model_config import ModelConfig
     from srt_lite.model_executor.model_runner import ModelRunner
     from srt_lite.server_args import ServerArgs
-    from test_tiny_models import make_tiny_model
+    from tiny_models import make_tiny_model
 
     fake = types.SimpleNamespace(
         BatchDecodeWithPagedKVCacheWrapper=_ReferenceWrapper, BatchPrefillWithPagedKVCacheWrapper=_ReferenceWrapper

@@ -14,6 +14,16 @@ from server_utils import ServerProcess
 
 MODEL = "smol"
 
+# A function tool the tool-calling tests share.
+WEATHER = {
+    "type": "function",
+    "function": {
+        "name": "get_weather",
+        "description": "Current weather in a city",
+        "parameters": {"type": "object", "properties": {"city": {"type": "string"}}, "required": ["city"]},
+    },
+}
+
 
 @contextmanager
 def default_server(*args: str) -> Iterator[ServerProcess]:

@@ -5,29 +5,15 @@ from __future__ import annotations
 
 import pytest
 
-from conftest import PROMPTS, wait_idle
+from engine_utils import LONG, PRESSURE, PROMPTS, wait_idle
 from srt_lite import Engine
 
-LONG = "Here is a long story about a river that runs through a valley. " * 6 + "The river"
 PARAMS = {"max_new_tokens": 40, "temperature": 0, "ignore_eos": True}
 
 
 @pytest.fixture(scope="module")
 def reference(engine):
     return [o["output_ids"] for o in engine.generate(PROMPTS + [LONG], PARAMS)]
-
-
-# Engine configurations under pressure (also used by test_speculative). 8 x (~6 + 40) tokens
-# plus a long prompt cannot all fit in 160 slots: the scheduler must evict cached prefixes and
-# retract running requests, then resume them.
-PRESSURE = pytest.mark.parametrize(
-    "kwargs",
-    [
-        dict(max_total_tokens=160, chunked_prefill_size=32, schedule_policy="fcfs"),
-        dict(max_total_tokens=4096, max_running_requests=2, disable_radix_cache=True, chunked_prefill_size=16),
-    ],
-    ids=["tiny-kv-retract", "two-running-no-radix"],
-)
 
 
 @pytest.mark.slow

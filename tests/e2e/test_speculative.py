@@ -14,9 +14,8 @@ import httpx
 import orjson
 import pytest
 
-from conftest import PROMPTS, plain_outputs, wait_idle
+from engine_utils import LONG, PRESSURE, PROMPTS, plain_outputs, wait_idle
 from server_utils import ServerProcess
-from test_scheduler import LONG, PRESSURE
 from srt_lite.req import Req
 from srt_lite.sampling.sampling_params import SamplingParams
 from srt_lite.speculative.ngram import PROBE_INTERVAL, AcceptStats, NgramIndex, NgramProposer, SharedNgramTable, accept_greedy
@@ -194,7 +193,7 @@ def test_replay_tool_measures_drafting_without_the_model():
     """benchmarks/replay_drafts.py: looping outputs yield several tokens per row and step, a
     request asked again after another yields its whole output in a few steps, and text that
     never repeats yields one token per step."""
-    sys.path.insert(0, str(Path(__file__).resolve().parent.parent / "benchmarks"))
+    sys.path.insert(0, str(Path(__file__).resolve().parents[2] / "benchmarks"))
     from replay_drafts import replay
 
     loop = ([1, 2, 3], [4, 5, 6] * 10)

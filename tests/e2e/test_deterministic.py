@@ -18,11 +18,11 @@ import pytest
 import torch
 import torch.distributed as dist
 import torch.multiprocessing as mp
-from transformers import AutoModelForCausalLM, AutoTokenizer, LlamaConfig
 
 from server_utils import ServerProcess
+from tiny_models import make_tp_llama
 from srt_lite.distributed import parallel_state
-from srt_lite.model_loader.default_model import default_gguf_path, resolve_model_path
+from srt_lite.model_loader.default_model import default_gguf_path
 from srt_lite.utils import get_free_port
 
 SCHEMA = {
@@ -150,16 +150,8 @@ def test_bf16_directory_is_batch_invariant():
 
 @pytest.fixture(scope="module")
 def tiny_tp_model(tmp_path_factory) -> str:
-    """8 query heads and 2 KV heads of 16: tp=2 splits both; the C++ attention takes 16."""
-    torch.manual_seed(0)
-    cfg = LlamaConfig(
-        vocab_size=512, hidden_size=128, intermediate_size=256, num_hidden_layers=2,
-        num_attention_heads=8, num_key_value_heads=2, max_position_embeddings=512, tie_word_embeddings=False,
-    )
-    path = tmp_path_factory.mktemp("tiny_det_tp")
-    AutoModelForCausalLM.from_config(cfg, dtype=torch.bfloat16).save_pretrained(path)
-    AutoTokenizer.from_pretrained(resolve_model_path(None)).save_pretrained(path)
-    return str(path)
+    """Heads of 16: tp=2 splits them; the C++ attention takes 16."""
+    return make_tp_llama(tmp_path_factory.mktemp("tiny_det_tp"), 128, 512, 512, torch.bfloat16)
 
 
 @pytest.mark.slow

@@ -1,5 +1,5 @@
 """GGUF files served from their own blocks (model_loader/gguf_*.py, layers/cpu_linear/gguf.py,
-csrc/cpu_gguf_linear.cpp), tested on files built from random blocks (tests/gguf_files.py)
+csrc/cpu_gguf_linear.cpp), tested on files built from random blocks (tests/helpers/gguf_files.py)
 and on the default model's own Q4_1 file, with gguf's numpy dequantization and transformers'
 GGUF loader as the references.
 

@@ -19,7 +19,7 @@ from srt_lite.model_config import ModelConfig
 from srt_lite.model_executor.model_runner import ModelRunner
 from srt_lite.models.cpp_decoder import CppDecoderStack
 from srt_lite.server_args import ServerArgs
-from test_tiny_models import make_tiny_model
+from tiny_models import make_tiny_model
 
 pytestmark = pytest.mark.skipif(not cpu_kernels.load(), reason="the C++ CPU ops are not built here")
 

@@ -13,7 +13,7 @@ from srt_lite.entrypoints.openai.protocol import ChatCompletionRequest, Completi
 from srt_lite.entrypoints.openai.structured import Grammar, request_grammar
 from srt_lite.entrypoints.openai.tools import ToolPlan, new_tool_call_id, plan_tools
 from srt_lite.managers.validation import RequestError
-from test_tool_prompt import WEATHER
+from openai_helpers import WEATHER
 
 USER = [{"role": "user", "content": "hi"}]
 TIME = {"type": "function", "function": {"name": "get_time"}}  # no parameters

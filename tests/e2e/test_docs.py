@@ -24,7 +24,7 @@ import pytest
 from reasoning_model import make_reasoning_model
 from server_utils import ServerProcess
 
-ROOT = Path(__file__).resolve().parent.parent
+ROOT = Path(__file__).resolve().parents[2]
 ALL_DOCS = [ROOT / "README.md", *sorted((ROOT / "docs").glob("*.md"))]
 PLACEHOLDER_MODEL = "/path/to/Qwen3-0.6B"
 # bench_1b_shape.py's model: written by the docs' `make` command (shortened to a tiny shape)
@@ -42,10 +42,10 @@ NOT_RUN = {
     "pip install \"llama-cpp-python": "builds the llama.cpp peer from source (minutes; benchmark set-up)",
     "compare_with_vllm.sh": "runs the vLLM peer (minutes; its srt_lite half is run_workloads.sh, tested)",
     "compare_1b_shape.sh": "runs the vLLM peer on the 1B shape (its srt_lite half is bench_1b_shape.py run, tested)",
-    "--nnodes 2": "needs a second machine at 10.0.0.1; tests/test_multinode.py runs two nodes on one",
-    "sglang_router.launch_router": "serves until stopped; tests/test_router.py runs this router in front of two workers",
+    "--nnodes 2": "needs a second machine at 10.0.0.1; tests/e2e/test_multinode.py runs two nodes on one",
+    "sglang_router.launch_router": "serves until stopped; tests/e2e/test_router.py runs this router in front of two workers",
     "bench_gguf.py": "quantizes GB-sized files with llama.cpp's quantizer and runs the llama.cpp peer (benchmark; "
-                     "tests/test_gguf_native.py serves the same kinds of files)",
+                     "tests/e2e/test_gguf_native.py serves the same kinds of files)",
 }
 # A distinctive snippet of each block -> text its output must contain.
 EXPECT = {

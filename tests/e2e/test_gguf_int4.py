@@ -22,7 +22,7 @@ from srt_lite.model_executor.model_runner import ModelRunner
 from srt_lite.model_loader import gguf_quant
 from srt_lite.model_loader.default_model import default_gguf_path
 from srt_lite.server_args import ServerArgs
-from test_tiny_models import make_tiny_model
+from tiny_models import make_tiny_model
 
 pytestmark = pytest.mark.cpu_caps
 

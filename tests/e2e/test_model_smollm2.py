@@ -5,7 +5,7 @@ from __future__ import annotations
 import pytest
 import torch
 
-from conftest import chat_ids
+from engine_utils import chat_ids
 from model_harness import Harness
 from srt_lite.layers.cpu_linear.products import EXACT_ROWS, bucketed_rows
 from srt_lite.layers.cpu_linear.paths import PATH_PACKED

@@ -8,7 +8,7 @@ import time
 
 import pytest
 
-from conftest import PROMPTS, wait_idle
+from engine_utils import PROMPTS, wait_idle
 from srt_lite.managers.tokenizer.tokenizer_manager import RequestError
 
 GREEDY = {"max_new_tokens": 24, "temperature": 0, "ignore_eos": True}

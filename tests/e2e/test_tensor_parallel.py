@@ -11,38 +11,24 @@ import httpx
 import psutil
 import pytest
 import torch
-from transformers import AutoModelForCausalLM, LlamaConfig
 
-from conftest import PROMPTS
+from engine_utils import PROMPTS
 from server_utils import ServerProcess
+from tiny_models import make_tp_llama
 from srt_lite.utils import get_free_port
 
-HERE = os.path.dirname(__file__)
+HELPERS = os.path.join(os.path.dirname(os.path.dirname(os.path.abspath(__file__))), "helpers")
 
 
 @pytest.fixture(scope="module")
 def tiny_model(tmp_path_factory) -> str:
-    """8 query heads and 2 KV heads: tp=2 splits both, tp=4 replicates each KV head twice."""
-    torch.manual_seed(0)
-    cfg = LlamaConfig(
-        vocab_size=322, hidden_size=64, intermediate_size=128, num_hidden_layers=2,
-        num_attention_heads=8, num_key_value_heads=2, max_position_embeddings=256, tie_word_embeddings=False,
-    )
-    path = tmp_path_factory.mktemp("tiny_tp")
-    AutoModelForCausalLM.from_config(cfg, dtype=torch.float32).save_pretrained(path)
-    # A tokenizer, so the same directory can be served.
-    from transformers import AutoTokenizer
-
-    from srt_lite.model_loader.default_model import resolve_model_path
-
-    AutoTokenizer.from_pretrained(resolve_model_path(None)).save_pretrained(path)
-    return str(path)
+    return make_tp_llama(tmp_path_factory.mktemp("tiny_tp"), 64, 322, 256, torch.float32)
 
 
 def run_tp(model_dir: str, tp: int, out, steps: int = 32) -> dict:
     port = get_free_port()
     procs = [
-        subprocess.Popen([sys.executable, os.path.join(HERE, "tp_worker_main.py"), model_dir, str(r), str(tp), str(port), str(out), str(steps)])
+        subprocess.Popen([sys.executable, os.path.join(HELPERS, "tp_worker_main.py"), model_dir, str(r), str(tp), str(port), str(out), str(steps)])
         for r in range(tp)
     ]
     for p in procs:

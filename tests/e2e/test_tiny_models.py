@@ -5,9 +5,10 @@ from __future__ import annotations
 
 import pytest
 import torch
-from transformers import AutoModelForCausalLM, LlamaConfig, Qwen2Config, Qwen3Config
+from transformers import AutoModelForCausalLM
 
 from model_harness import Harness, fragment_free_list
+from tiny_models import CASES, make_tiny_model
 from srt_lite.layers.cpu_linear.products import EXACT_ROWS
 from srt_lite.layers.cpu_linear.paths import (
     PATH_BF16_KERNEL, PATH_F32_PANELS, PATH_PACKED, PATH_PANELS, PATH_TORCH, PATH_WIDE_PANELS, cpu_linear_path,
@@ -16,46 +17,6 @@ from srt_lite.layers.cpu_linear.packable import PackableLinear
 from srt_lite.model_config import ModelConfig
 from srt_lite.model_executor.model_runner import ModelRunner
 from srt_lite.server_args import ServerArgs
-
-COMMON = dict(
-    vocab_size=320,
-    hidden_size=64,
-    intermediate_size=128,
-    num_hidden_layers=2,
-    num_attention_heads=4,
-    num_key_value_heads=2,
-    max_position_embeddings=256,
-    rms_norm_eps=1e-6,
-)
-
-CASES = {
-    "llama": lambda: LlamaConfig(**COMMON, tie_word_embeddings=False),
-    "llama_tied_bias": lambda: LlamaConfig(**COMMON, tie_word_embeddings=True, attention_bias=True),
-    "llama3_rope_scaling": lambda: LlamaConfig(
-        **COMMON,
-        rope_parameters={
-            "rope_type": "llama3", "rope_theta": 50000.0, "factor": 8.0,
-            "low_freq_factor": 1.0, "high_freq_factor": 4.0,
-            "original_max_position_embeddings": 64,
-        },
-    ),
-    "qwen2": lambda: Qwen2Config(**COMMON, tie_word_embeddings=True),
-    "qwen3": lambda: Qwen3Config(**COMMON, head_dim=32, tie_word_embeddings=False),
-}
-
-
-def make_tiny_model(kind: str, path) -> str:
-    torch.manual_seed(0)
-    config = CASES[kind]()
-    model = AutoModelForCausalLM.from_config(config, dtype=torch.float32)
-    # Random init of norms is all ones; perturb them so the q/k norms are really exercised.
-    with torch.no_grad():
-        for name, p in model.named_parameters():
-            if "norm" in name or "bias" in name:
-                p.add_(torch.randn_like(p) * 0.1)
-    model.save_pretrained(path)
-    return str(path)
-
 
 def decode_and_compare(h: Harness, hf, seqs: list[list[int]], logits: torch.Tensor, steps: int) -> None:
     """Greedy decode steps through the harness; each step's logits against a full HF recompute."""
@@ -230,7 +191,7 @@ def test_cascade_decode_over_shared_prefix_matches_transformers(tmp_path, monkey
 
     assert cpu_kernels.load()  # built here: CI's machine has the compiler inductor uses
     # The plans' own calls are counted: the C++ decoder stack would run the op without them
-    # (tests/test_cpp_decoder.py checks it against these layers).
+    # (tests/e2e/test_cpp_decoder.py checks it against these layers).
     monkeypatch.setenv("SRT_LITE_DISABLE_CPP_DECODER", "1")
     if not token_suffix:
         monkeypatch.setattr(choose, "TOKEN_SUFFIX_GAIN", 0)

@@ -24,7 +24,7 @@ from srt_lite.layers.cpu_linear.products import pack_panels, packed_linear, pane
 from srt_lite.model_config import ModelConfig
 from srt_lite.model_executor.model_runner import ModelRunner
 from srt_lite.server_args import ServerArgs
-from test_tiny_models import make_tiny_model
+from tiny_models import make_tiny_model
 
 
 pytestmark = pytest.mark.cpu_caps

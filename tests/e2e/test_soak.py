@@ -13,7 +13,7 @@ import pytest
 
 from server_utils import ServerProcess
 
-SOAK = Path(__file__).resolve().parent.parent / "benchmarks" / "soak.py"
+SOAK = Path(__file__).resolve().parents[2] / "benchmarks" / "soak.py"
 KINDS = {"chat", "chat_stream_stop", "completion_n", "completion_stream_logprobs", "generate"}
 
 
