@@ -296,16 +296,3 @@ class RadixCache:
         slots = self.all_slots()
         assert slots.unique().numel() == slots.numel(), "a slot is held twice by the tree"
         assert not bool((slots == 0).any()), "the padding slot 0 is in the tree"
-
-    def pretty_print(self) -> None:
-        lines = []
-        stack: list[tuple[TreeNode, int]] = [(c, 0) for c in self.root.children.values()]
-        while stack:
-            node, depth = stack.pop()
-            lines.append(f"{'  ' * depth}{node.key} lock_ref={node.lock_ref}")
-            stack.extend((c, depth + 1) for c in node.children.values())
-        lines.append(
-            f"total={self.total_size()} evictable={self._evictable_size} "
-            f"protected={self._protected_size}"
-        )
-        logger.info("radix cache:\n%s", "\n".join(lines))

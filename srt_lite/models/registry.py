@@ -19,10 +19,6 @@ def _all_models() -> dict[str, type]:
     return out
 
 
-def supported_architectures() -> list[str]:
-    return sorted(_all_models())
-
-
 def get_model_class(architectures: list[str] | None) -> type:
     models = _all_models()
     for arch in architectures or []:

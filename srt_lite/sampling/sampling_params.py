@@ -9,8 +9,33 @@ from typing import Any
 
 _GREEDY_EPS = 1e-6
 MAX_N = 128  # completions per request (OpenAI's limit)
-# The grammar fields (SGLang's names); a request may set at most one.
+# The grammar kinds, by the names of SGLang's sampling parameters; a request sets at most one.
 GRAMMAR_KINDS = ("json_schema", "regex", "ebnf", "structural_tag")
+
+
+@dataclass(frozen=True)
+class Grammar:
+    """One output constraint: `kind` (one of GRAMMAR_KINDS), `text` its source (a JSON
+    schema or structural tag as JSON text, a regular expression, an EBNF grammar), and
+    `field`, the request field it came from, which every error about it names."""
+
+    kind: str
+    text: str
+    field: str = ""
+
+    @classmethod
+    def from_fields(cls, values: dict[str, Any], kinds: tuple[str, ...] = GRAMMAR_KINDS) -> "Grammar | None":
+        """The one grammar among `values`' fields named in `kinds` (a schema or tag may be
+        an object, which becomes JSON text); None if none is set; a ValueError if several are."""
+        given = [k for k in kinds if values.get(k) is not None]
+        if len(given) > 1:
+            raise ValueError(f"at most one of {', '.join(kinds)} may be set; got {' and '.join(given)}")
+        if not given:
+            return None
+        text = values[given[0]]
+        if given[0] in ("json_schema", "structural_tag") and isinstance(text, dict):
+            text = json.dumps(text)  # Engine users write schemas as dicts
+        return cls(given[0], text, given[0])
 
 
 @dataclass
@@ -33,23 +58,21 @@ class SamplingParams:
     logit_bias: dict[str, float] | None = None
     seed: int | None = None
     n: int = 1
-    # Structured output: the text the request's output must match, as a JSON schema (JSON
-    # text), a regular expression, an EBNF grammar or an xgrammar structural tag (JSON text).
-    json_schema: str | None = None
-    regex: str | None = None
-    ebnf: str | None = None
-    structural_tag: str | None = None
+    # Structured output: what the request's output must match. Given as SGLang's sampling
+    # parameters json_schema, regex, ebnf or structural_tag (from_dict), at most one.
+    grammar: Grammar | None = None
 
     @classmethod
     def from_dict(cls, d: dict[str, Any] | None) -> "SamplingParams":
         """Builds and verifies; an unknown key or a wrong type raises ValueError naming it."""
         d = dict(d or {})
-        known = {f.name for f in fields(cls)}
+        known = {f.name for f in fields(cls)} - {"grammar"} | set(GRAMMAR_KINDS)
         unknown = sorted(set(d) - known)
         if unknown:
             raise ValueError(f"unknown sampling parameter(s): {', '.join(unknown)}")
         d = {k: v for k, v in d.items() if v is not None}  # None means "use the default"
-        params = cls(**d)
+        grammar = Grammar.from_fields({k: d.pop(k) for k in GRAMMAR_KINDS if k in d})
+        params = cls(**d, grammar=grammar)
         params.normalize()
         params.verify()
         return params
@@ -57,19 +80,6 @@ class SamplingParams:
     def normalize(self) -> None:
         if isinstance(self.stop, str):
             self.stop = [self.stop]
-        # A schema or tag given as an object (Engine users write dicts) travels as JSON text.
-        for name in ("json_schema", "structural_tag"):
-            if isinstance(getattr(self, name), dict):
-                setattr(self, name, json.dumps(getattr(self, name)))
-
-    @property
-    def grammar(self) -> tuple[str, str] | None:
-        """(kind, text) of the request's grammar, or None."""
-        for kind in GRAMMAR_KINDS:
-            text = getattr(self, kind)
-            if text is not None:
-                return kind, text
-        return None
 
     @property
     def is_greedy(self) -> bool:
@@ -128,24 +138,27 @@ class SamplingParams:
                 _num("logit_bias", v, lo=-100.0, hi=100.0)
 
     def _verify_grammar(self) -> None:
-        grammars = [k for k in GRAMMAR_KINDS if getattr(self, k) is not None]
-        if len(grammars) > 1:
-            raise ValueError(f"only one of {', '.join(GRAMMAR_KINDS)} may be set, got {', '.join(grammars)}")
-        for kind in grammars:
-            if not isinstance(getattr(self, kind), str):
-                raise ValueError(f"{kind} must be a string")
-        for kind in ("json_schema", "structural_tag"):
-            text = getattr(self, kind)
-            if text is not None:
-                try:
-                    value = json.loads(text)
-                except ValueError as e:
-                    raise ValueError(f"{kind} is not valid JSON: {e}") from None
-                if not isinstance(value, (dict, bool)) or (kind == "structural_tag" and not isinstance(value, dict)):
-                    raise ValueError(f"{kind} must be a JSON object")
+        g = self.grammar
+        if g is None:
+            return
+        if g.kind not in GRAMMAR_KINDS:
+            raise ValueError(f"unknown grammar kind {g.kind!r}")
+        if not isinstance(g.text, str):
+            raise ValueError(f"{g.kind} must be a string")
+        if g.kind in ("json_schema", "structural_tag"):
+            try:
+                value = json.loads(g.text)
+            except ValueError as e:
+                raise ValueError(f"{g.kind} is not valid JSON: {e}") from None
+            if not isinstance(value, (dict, bool)) or (g.kind == "structural_tag" and not isinstance(value, dict)):
+                raise ValueError(f"{g.kind} must be a JSON object")
 
     def to_dict(self) -> dict[str, Any]:
-        return {f.name: getattr(self, f.name) for f in fields(self)}
+        """The parameters as from_dict takes them: the grammar under its kind's name."""
+        d = {f.name: getattr(self, f.name) for f in fields(self) if f.name != "grammar"}
+        if self.grammar is not None:
+            d[self.grammar.kind] = self.grammar.text
+        return d
 
 
 def _is_number(x: Any) -> bool:

@@ -17,7 +17,7 @@ from srt_lite.managers.scheduler.grammar_manager import GrammarManager
 from srt_lite.req import Req
 from srt_lite.sampling.sampler import Sampler
 from srt_lite.sampling.sampling_batch_info import SamplingBatchInfo
-from srt_lite.sampling.sampling_params import SamplingParams
+from srt_lite.sampling.sampling_params import Grammar, SamplingParams
 
 VOCAB = 49152
 EOS = 2
@@ -199,7 +199,7 @@ def test_without_a_think_block_the_grammar_applies_from_the_first_token(tokenize
 
 
 def grammar_req(rid: str, **grammar) -> Req:
-    return Req(rid, [1, 2, 3], SamplingParams(**grammar))
+    return Req(rid, [1, 2, 3], SamplingParams.from_dict(grammar))
 
 
 def drain(mgr: GrammarManager, timeout: float = 30.0) -> list[Req]:
@@ -319,10 +319,15 @@ def test_min_new_tokens_does_not_ban_the_stop_of_a_constrained_row():
 
 def test_sampling_params_take_one_grammar_and_check_json():
     p = SamplingParams.from_dict({"json_schema": SCHEMA})
-    assert json.loads(p.json_schema) == SCHEMA and p.grammar == ("json_schema", p.json_schema)
-    assert SamplingParams.from_dict({"regex": "a+"}).grammar == ("regex", "a+")
+    assert p.grammar.kind == "json_schema" and json.loads(p.grammar.text) == SCHEMA
+    assert SamplingParams.from_dict({"regex": "a+"}).grammar == Grammar("regex", "a+", "regex")
     assert SamplingParams.from_dict({}).grammar is None
-    with pytest.raises(ValueError, match="only one of"):
+    # The scheduler gets the grammar back under its kind's name, as a client sends it.
+    assert SamplingParams.from_dict(p.to_dict()).grammar == p.grammar
+    assert "grammar" not in p.to_dict() and SamplingParams.from_dict(SamplingParams().to_dict()).grammar is None
+    with pytest.raises(ValueError, match="unknown sampling parameter"):
+        SamplingParams.from_dict({"grammar": "a+"})
+    with pytest.raises(ValueError, match="at most one of"):
         SamplingParams.from_dict({"regex": "a", "ebnf": 'root ::= "a"'})
     with pytest.raises(ValueError, match="json_schema is not valid JSON"):
         SamplingParams.from_dict({"json_schema": "{nope"})

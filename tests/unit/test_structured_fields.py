@@ -10,7 +10,8 @@ import jsonschema
 import pytest
 
 from srt_lite.entrypoints.openai.protocol import ChatCompletionRequest, CompletionRequest
-from srt_lite.entrypoints.openai.structured import Grammar, request_grammar
+from srt_lite.entrypoints.openai.structured import request_grammar
+from srt_lite.sampling.sampling_params import Grammar
 from srt_lite.entrypoints.openai.tools import ToolPlan, new_tool_call_id, plan_tools
 from srt_lite.managers.validation import RequestError
 from openai_helpers import WEATHER
@@ -41,7 +42,6 @@ def test_response_format_mapping():
     g = request_grammar(chat(response_format={"type": "json_schema", "json_schema": {"name": "x", "schema": schema, "strict": True}}))
     assert g.kind == "json_schema" and json.loads(g.text) == schema
     assert g.field == "response_format.json_schema.schema"
-    assert g.sampling_param() == {"json_schema": g.text}
 
 
 @pytest.mark.parametrize(

@@ -11,7 +11,7 @@ from starlette.responses import Response, StreamingResponse
 from srt_lite.entrypoints.http_io import anext_or_none, until_disconnected
 from srt_lite.entrypoints.openai.protocol import UsageInfo, _SamplingFields
 from srt_lite.entrypoints.openai.serving_models import check_model
-from srt_lite.entrypoints.openai.structured import Grammar
+from srt_lite.sampling.sampling_params import Grammar
 from srt_lite.managers.tokenizer.choices import numbered_rids
 from srt_lite.managers.tokenizer.tokenizer_manager import TokenizerManager
 from srt_lite.managers.validation import LogprobOptions, RequestError
@@ -67,9 +67,9 @@ class OpenAIServingBase:
             "seed": req.seed,
             "n": req.n,
         }
-        if grammar is not None:
-            d.update(grammar.sampling_param())
-        return self.tm.make_sampling_params(d)
+        params = self.tm.make_sampling_params(d)
+        params.grammar = grammar  # checked by check_grammar, named by its request field
+        return params
 
     async def respond(
         self,

@@ -3,19 +3,19 @@
 A request may constrain its output in one way only: `response_format` (json_object,
 json_schema or SGLang's structural_tag), or one of SGLang's extras `json_schema` (schema
 text), `regex`, `ebnf`, or a forced tool call (tool_choice "required" or a named function,
-see tools.py). The grammar goes to the scheduler as the SamplingParams key of its kind
-(`json_schema`, `regex`, `ebnf`, `structural_tag`); the grammar backend enforces it there. Every conflict and every invalid grammar is a 400
+see tools.py). The grammar goes to the scheduler as `SamplingParams.grammar` (a `Grammar`); the grammar
+backend enforces it there. Every conflict and every invalid grammar is a 400
 whose message names the request field, so a client can tell which part to fix.
 """
 
 from __future__ import annotations
 
 import json
-from dataclasses import dataclass
 from typing import TYPE_CHECKING
 
 from srt_lite.entrypoints.openai.protocol import ResponseFormat, _SamplingFields
 from srt_lite.managers.validation import RequestError
+from srt_lite.sampling.sampling_params import Grammar
 
 if TYPE_CHECKING:
     from srt_lite.managers.tokenizer.tokenizer_manager import TokenizerManager
@@ -25,19 +25,6 @@ GRAMMAR_EXTRAS = ("json_schema", "regex", "ebnf")
 
 # What json_object means: any JSON object (OpenAI's "JSON mode").
 JSON_OBJECT_SCHEMA = {"type": "object"}
-
-
-@dataclass(frozen=True)
-class Grammar:
-    """One output constraint: `kind` is its SamplingParams key, `text` its source, and
-    `field` the request field it came from (named by every error about it)."""
-
-    kind: str  # "json_schema" | "regex" | "ebnf" | "structural_tag"
-    text: str
-    field: str
-
-    def sampling_param(self) -> dict[str, str]:
-        return {self.kind: self.text}
 
 
 def response_format_grammar(fmt: ResponseFormat | None) -> Grammar | None:
@@ -60,12 +47,10 @@ def response_format_grammar(fmt: ResponseFormat | None) -> Grammar | None:
 
 def extra_grammar(req: _SamplingFields) -> Grammar | None:
     """SGLang's `json_schema` / `regex` / `ebnf` request fields; at most one may be set."""
-    given = [name for name in GRAMMAR_EXTRAS if getattr(req, name) is not None]
-    if len(given) > 1:
-        raise RequestError(f"at most one of {', '.join(GRAMMAR_EXTRAS)} may be set; got {' and '.join(given)}")
-    if not given:
-        return None
-    return Grammar(given[0], getattr(req, given[0]), given[0])
+    try:
+        return Grammar.from_fields({name: getattr(req, name) for name in GRAMMAR_EXTRAS}, GRAMMAR_EXTRAS)
+    except ValueError as e:
+        raise RequestError(str(e)) from None
 
 
 def request_grammar(req: _SamplingFields, forced_tools: Grammar | None = None) -> Grammar | None:

@@ -22,7 +22,7 @@ from dataclasses import dataclass, field
 from typing import Any
 
 from srt_lite.entrypoints.openai.protocol import ChatCompletionRequest, NamedToolChoice
-from srt_lite.entrypoints.openai.structured import Grammar
+from srt_lite.sampling.sampling_params import Grammar
 from srt_lite.managers.validation import RequestError
 
 TOOL_NAME = re.compile(r"^[a-zA-Z0-9_-]{1,64}$")

@@ -41,7 +41,8 @@ class GrammarManager:
 
     def add(self, req: Req) -> None:
         """Queues a request that has a grammar; ready() hands it back."""
-        key = req.sampling_params.grammar
+        g = req.sampling_params.grammar
+        key = (g.kind, g.text)  # the same grammar from another field compiles once
         future = self.cache.get(key)
         if future is None:
             if self.backend is None:
@@ -64,7 +65,7 @@ class GrammarManager:
         done = tp_min(done)
         out = []
         for req, future in self.queue[:done]:
-            kind = req.sampling_params.grammar[0]
+            kind = req.sampling_params.grammar.kind
             try:
                 compiled = future.result()
                 req.grammar = self.backend.matcher(compiled)

@@ -164,7 +164,8 @@ class TokenizerManager:
     def validate(self, input_ids: list[int], params: SamplingParams) -> None:
         check_input(input_ids, params, self.context_len, self.info.vocab_size)
         if params.grammar is not None:
-            self.check_grammar(*params.grammar, field=params.grammar[0])
+            g = params.grammar
+            self.check_grammar(g.kind, g.text, field=g.field)
 
     def check_grammar(self, kind: str, text: str, field: str) -> None:
         """Raises RequestError naming `field` unless `text` is a valid grammar of `kind`
