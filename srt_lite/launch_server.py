@@ -9,7 +9,8 @@ import sys
 from typing import TYPE_CHECKING
 
 from srt_lite.entrypoints.child_processes import start_forkserver
-from srt_lite.server_args import ServerArgs, prepare_server_args
+from srt_lite.cli_args import prepare_server_args
+from srt_lite.server_args import ServerArgs
 
 if TYPE_CHECKING:
     from srt_lite.managers.tokenizer.tokenizer_manager import TokenizerManager

@@ -6,8 +6,6 @@
 
 from __future__ import annotations
 
-import argparse
-import dataclasses
 import os
 from dataclasses import dataclass, field
 from typing import Any
@@ -27,12 +25,6 @@ CHUNKED_PREFILL_DEFAULT = {"cpu": 512, "cuda": 8192}
 # rare enough to pay that once).
 WARMUP_MAX_DECODE_BATCH = 16
 WARMUP_MAX_CHUNK = 512
-
-
-GROUP_ORDER = [
-    "Model", "HTTP server", "Structured outputs", "Memory and scheduling", "Speculative decoding", "Runtime",
-    "Multi-node", "Logging",
-]
 
 
 @dataclass
@@ -343,8 +335,6 @@ class ServerArgs:
         n = self.tp_size_per_node
         return range(self.node_rank * n, (self.node_rank + 1) * n)
 
-    # ---- command line ------------------------------------------------------------------
-
     def chunk_size_for(self, device: str) -> int:
         """--chunked-prefill-size on `device`: the flag, else the device's default (-1: no
         chunking)."""
@@ -354,85 +344,6 @@ class ServerArgs:
         """(largest decode batch, prompt chunk) that the server's warm-up runs."""
         chunk = chunk_size if 0 < chunk_size <= WARMUP_MAX_CHUNK else WARMUP_MAX_CHUNK
         return min(max_running, WARMUP_MAX_DECODE_BATCH), chunk
-
-    @staticmethod
-    def add_cli_args(parser: argparse.ArgumentParser) -> None:
-        groups: dict[str, argparse._ArgumentGroup] = {
-            name: parser.add_argument_group(name) for name in GROUP_ORDER
-        }
-        for f in dataclasses.fields(ServerArgs):
-            meta = f.metadata
-            flag = "--" + f.name.replace("_", "-")
-            group = groups[meta["group"]]
-            if f.type in ("bool", bool):
-                group.add_argument(flag, action="store_true", help=meta["help"])
-                continue
-            kind = _parse_type(f.type)
-            group.add_argument(
-                flag,
-                type=kind,
-                default=f.default,
-                choices=meta.get("choices"),
-                help=meta["help"] + ("" if f.default is None else " (default: %(default)s)"),
-            )
-
-    @classmethod
-    def from_cli_args(cls, args: argparse.Namespace) -> "ServerArgs":
-        names = [f.name for f in dataclasses.fields(cls)]
-        return cls(**{n: getattr(args, n) for n in names})
-
-
-def _parse_type(annotation: Any):
-    text = str(annotation)
-    if "int" in text:
-        return int
-    if "float" in text:
-        return float
-    return str
-
-
-def prepare_server_args(argv: list[str] | None = None) -> ServerArgs:
-    parser = argparse.ArgumentParser(
-        prog="python -m srt_lite.launch_server",
-        description="Serve a model with an SGLang-compatible and OpenAI-compatible HTTP API.",
-    )
-    ServerArgs.add_cli_args(parser)
-    args = parser.parse_args(argv)
-    try:
-        return ServerArgs.from_cli_args(args)
-    except ValueError as e:
-        parser.exit(2, f"error: {e}\n")
-
-
-@dataclass
-class PortArgs:
-    """IPC endpoints of one server, all inside a private (0700) temp dir, and the address
-    where its tensor-parallel ranks meet."""
-
-    ipc_dir: str
-    scheduler_input: str  # TokenizerManager -> Scheduler rank 0
-    detokenizer_input: str  # Scheduler rank 0 -> Detokenizer
-    tokenizer_input: str  # Detokenizer and Scheduler -> TokenizerManager
-    dist_init_addr: str | None = None  # HOST:PORT of rank 0's TCP store, for tp_size > 1
-
-    @classmethod
-    def create(cls, tp_size: int = 1, dist_init_addr: str | None = None) -> "PortArgs":
-        import os
-        import tempfile
-
-        from srt_lite.utils import get_free_port
-
-        d = tempfile.mkdtemp(prefix="srt_lite-")
-        os.chmod(d, 0o700)
-        if dist_init_addr is None and tp_size > 1:
-            dist_init_addr = f"127.0.0.1:{get_free_port()}"
-        return cls(
-            ipc_dir=d,
-            scheduler_input=os.path.join(d, "scheduler"),
-            detokenizer_input=os.path.join(d, "detokenizer"),
-            tokenizer_input=os.path.join(d, "tokenizer"),
-            dist_init_addr=dist_init_addr,
-        )
 
 
 def _cuda_available() -> bool:

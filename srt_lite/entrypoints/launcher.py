@@ -14,10 +14,10 @@ from typing import Callable
 
 from srt_lite.entrypoints.child_processes import child_context, child_main, start_forkserver
 from srt_lite.managers.detokenizer.detokenizer_manager import run_detokenizer_process
-from srt_lite.managers.io_struct import SchedulerReady
+from srt_lite.managers.io_struct import PortArgs, SchedulerReady
 from srt_lite.managers.scheduler.scheduler import run_scheduler_process
 from srt_lite.model_config import ModelConfig
-from srt_lite.server_args import PortArgs, ServerArgs
+from srt_lite.server_args import ServerArgs
 
 logger = logging.getLogger(__name__)
 

@@ -2,15 +2,20 @@
 
 Wire format: orjson of `[type_tag, fields]`; decoding looks the tag up in a fixed registry of
 these classes and calls the constructor with the fields. Nothing is ever unpickled, so a
-message can only ever become one of the types below.
+message can only ever become one of the types below. PortArgs, at the end, holds the
+addresses these messages travel to.
 """
 
 from __future__ import annotations
 
+import os
+import tempfile
 from dataclasses import dataclass, field, fields
 from typing import Any
 
 import orjson
+
+from srt_lite.utils import get_free_port
 
 
 @dataclass
@@ -180,3 +185,29 @@ def decode(data: bytes) -> Any:
         raise ValueError(f"unknown message type {tag!r}")
     names = {f.name for f in fields(cls)}
     return cls(**{k: v for k, v in payload.items() if k in names})
+
+
+@dataclass
+class PortArgs:
+    """IPC endpoints of one server, all inside a private (0700) temp dir, and the address
+    where its tensor-parallel ranks meet."""
+
+    ipc_dir: str
+    scheduler_input: str  # TokenizerManager -> Scheduler rank 0
+    detokenizer_input: str  # Scheduler rank 0 -> Detokenizer
+    tokenizer_input: str  # Detokenizer and Scheduler -> TokenizerManager
+    dist_init_addr: str | None = None  # HOST:PORT of rank 0's TCP store, for tp_size > 1
+
+    @classmethod
+    def create(cls, tp_size: int = 1, dist_init_addr: str | None = None) -> "PortArgs":
+        d = tempfile.mkdtemp(prefix="srt_lite-")
+        os.chmod(d, 0o700)
+        if dist_init_addr is None and tp_size > 1:
+            dist_init_addr = f"127.0.0.1:{get_free_port()}"
+        return cls(
+            ipc_dir=d,
+            scheduler_input=os.path.join(d, "scheduler"),
+            detokenizer_input=os.path.join(d, "detokenizer"),
+            tokenizer_input=os.path.join(d, "tokenizer"),
+            dist_init_addr=dist_init_addr,
+        )

@@ -9,7 +9,8 @@ import sys
 
 import pytest
 
-from srt_lite.server_args import GROUP_ORDER, ServerArgs
+from srt_lite.cli_args import GROUP_ORDER
+from srt_lite.server_args import ServerArgs
 
 
 def cli(*args: str) -> subprocess.CompletedProcess:

@@ -12,10 +12,10 @@ from starlette.testclient import TestClient
 
 from srt_lite.entrypoints.http_server import build_app
 from srt_lite.entrypoints.server_state import ServerState
-from srt_lite.managers.io_struct import SchedulerReady
+from srt_lite.managers.io_struct import PortArgs, SchedulerReady
 from srt_lite.managers.tokenizer.tokenizer_manager import TokenizerManager
 from srt_lite.model_config import ModelConfig
-from srt_lite.server_args import PortArgs, ServerArgs
+from srt_lite.server_args import ServerArgs
 
 MODEL_NAME = "test-model"
 

@@ -22,7 +22,7 @@ LAYERS: list[tuple[str, ...]] = [
     ("srt_lite.envs",),  # environment variables
     ("srt_lite.utils", "srt_lite.cpu_caps"),
     ("srt_lite.cpu_kernels", "srt_lite.server_args", "srt_lite.sampling.sampling_params"),
-    ("srt_lite.req",),  # one request's scheduling state, shared by every layer above
+    ("srt_lite.req", "srt_lite.cli_args"),  # Req: one request's scheduling state, shared above
     ("srt_lite.distributed", "srt_lite.constrained", "srt_lite.parser", "srt_lite.model_loader"),
     ("srt_lite.mem_cache", "srt_lite.sampling", "srt_lite.speculative"),
     ("srt_lite.model_executor.forward_batch",),  # the forward pass's vocabulary for the layers

@@ -13,10 +13,10 @@ import zmq.asyncio
 
 from srt_lite.managers import io_struct
 from srt_lite.managers.tokenizer.generate_request import normalize_generate_request
-from srt_lite.managers.io_struct import AbortReq, BatchStrOut, SchedulerReady, TokenizedGenerateReqInput
+from srt_lite.managers.io_struct import AbortReq, BatchStrOut, PortArgs, SchedulerReady, TokenizedGenerateReqInput
 from srt_lite.managers.tokenizer.tokenizer_manager import Overloaded, TokenizerManager
 from srt_lite.managers.validation import LogprobOptions, RequestError
-from srt_lite.server_args import PortArgs, ServerArgs
+from srt_lite.server_args import ServerArgs
 from srt_lite.utils import zmq_socket
 
 CONTEXT_LEN = 512

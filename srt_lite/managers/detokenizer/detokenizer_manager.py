@@ -14,10 +14,10 @@ from dataclasses import dataclass
 import zmq
 
 from srt_lite.managers import io_struct
-from srt_lite.managers.io_struct import BatchStrOut, BatchTokenIDOut
+from srt_lite.managers.io_struct import BatchStrOut, BatchTokenIDOut, PortArgs
 from srt_lite.managers.detokenizer.incremental_detokenizer import IncrementalDetokenizer
 from srt_lite.sampling.stop_strings import StopStringMatcher
-from srt_lite.server_args import PortArgs, ServerArgs
+from srt_lite.server_args import ServerArgs
 from srt_lite.utils import configure_logging, init_child_process, zmq_socket
 
 logger = logging.getLogger(__name__)

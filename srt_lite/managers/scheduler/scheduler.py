@@ -31,6 +31,7 @@ from srt_lite.managers.io_struct import (
     FlushCacheReq,
     FlushCacheReqOutput,
     GetLoadReq,
+    PortArgs,
     SchedulerReady,
     ShutdownReq,
     TokenizedGenerateReqInput,
@@ -49,7 +50,7 @@ from srt_lite.model_config import ModelConfig
 from srt_lite.req import Req
 from srt_lite.sampling.sampling_batch_info import SamplingBatchInfo
 from srt_lite.sampling.sampling_params import SamplingParams
-from srt_lite.server_args import PortArgs, ServerArgs
+from srt_lite.server_args import ServerArgs
 from srt_lite.speculative.ngram import NgramProposer, no_drafts
 from srt_lite.utils import configure_logging, die_of_sigterm, init_child_process, resolve_device
 
@@ -181,14 +182,14 @@ class Scheduler:
             raise RuntimeError(f"injected fault at step {self.stats.forward_steps} ({envs.TEST_CRASH_AT_STEP.name})")
         nd = batch.num_decode if batch.is_prefill else len(batch.reqs)
         # Sampling rows: the running batch's info for the decode rows, a new one for the rest.
-        infos = [self.running.info] if nd else []
+        batch.sampling = [self.running.info] if nd else []
         prefill_info = None
         if batch.is_prefill:
             prefill_info = SamplingBatchInfo.from_reqs(
                 batch.reqs[nd:], self.model_config.vocab_size, self.device, self.outputs.finish.eos_ids
             )
-            infos.append(prefill_info)
-        result = self.worker.forward_batch_generation(batch, out_cache_loc, infos)
+            batch.sampling.append(prefill_info)
+        result = self.worker.forward_batch_generation(batch, out_cache_loc)
         if nd:
             self.outputs.process_decode(batch.reqs[:nd], result)
         if batch.is_prefill:

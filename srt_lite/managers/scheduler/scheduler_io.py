@@ -14,9 +14,8 @@ import zmq
 
 from srt_lite.distributed.parallel_state import broadcast_messages
 from srt_lite.managers import io_struct
-from srt_lite.managers.io_struct import BatchTokenIDOut
+from srt_lite.managers.io_struct import BatchTokenIDOut, PortArgs
 from srt_lite.req import Req
-from srt_lite.server_args import PortArgs
 from srt_lite.utils import zmq_socket
 
 logger = logging.getLogger(__name__)

@@ -48,12 +48,9 @@ class TpModelWorker:
         # so a server run's steps can be replayed in one process to compare code variants.
         self.record_steps = envs.RECORD_STEPS.get()
 
-    def forward_batch_generation(
-        self, batch: ScheduleBatch, out_cache_loc: torch.Tensor, infos: list[SamplingBatchInfo]
-    ) -> GenerationResult:
+    def forward_batch_generation(self, batch: ScheduleBatch, out_cache_loc: torch.Tensor) -> GenerationResult:
         """Runs the batch and samples one token per request (meaningless for a request whose
-        prefill chunk does not reach the end of its prompt). `infos` cover the rows in order
-        (a mixed batch has the running batch's info, then the new requests')."""
+        prefill chunk does not reach the end of its prompt) with the batch's sampling rows."""
         prompt_rows = [i for i, r in enumerate(batch.reqs) if batch.is_prefill and wants_input_logprobs(r)]
         fb = batch.to_forward_batch(out_cache_loc, self.device, return_all_logits=bool(prompt_rows))
         start = time.perf_counter()
@@ -62,29 +59,23 @@ class TpModelWorker:
             self._record_step(fb.extend_prefix_lens_cpu, fb.extend_seq_lens_cpu, time.perf_counter() - start)
         accepted = {}
         if fb.logit_index is None:
-            sample = self.sample(out.next_token_logits, batch.reqs, infos)
+            sample = self.sample(out.next_token_logits, batch.reqs, batch.sampling_parts())
         else:
-            sample, accepted = self.verify(out.next_token_logits, batch.reqs, infos)
+            sample, accepted = self.verify(out.next_token_logits, batch)
         input_logprobs = {}
         if prompt_rows:
             input_logprobs = self.input_logprobs(batch, prompt_rows, out.all_logits)
         return GenerationResult(sample, input_logprobs, accepted, out.pooled)
 
-    def verify(
-        self, logits: torch.Tensor, reqs: list[Req], infos: list[SamplingBatchInfo]
-    ) -> tuple[SampleOutput, dict[int, list[int]]]:
+    def verify(self, logits: torch.Tensor, batch: ScheduleBatch) -> tuple[SampleOutput, dict[int, list[int]]]:
         """Samples every logits row (a request with d draft tokens has 1 + d of them, in
         order) with its request's parameters, then accepts each draft's matching prefix.
         Only greedy requests draft (NgramProposer.eligible), so sampling a draft position
         on its own is exact."""
+        reqs = batch.reqs
         counts = [1 + len(r.draft_ids) for r in reqs]
-        expanded, start = [], 0
-        for info in infos:
-            part = counts[start : start + info.batch_size]
-            expanded.append(info.repeat_rows(part) if any(c != 1 for c in part) else info)
-            start += info.batch_size
         flat_reqs = [r for r, c in zip(reqs, counts) for _ in range(c)]
-        flat = self.sample(logits, flat_reqs, expanded)
+        flat = self.sample(logits, flat_reqs, batch.sampling_parts(counts))
         first = [0, *itertools.accumulate(counts)][:-1]  # logits row of each request's first position
         ids = flat.next_ids.tolist()
         accepted = {
@@ -102,23 +93,23 @@ class TpModelWorker:
         with open(self.record_steps, "ab") as f:
             f.write(orjson.dumps([list(prefix_lens), list(extend_lens), round(seconds * 1e3, 2)]) + b"\n")
 
-    def sample(self, logits: torch.Tensor, reqs: list[Req], infos: list[SamplingBatchInfo]) -> SampleOutput:
-        out = self.sample_rows(logits, reqs, infos)
+    def sample(
+        self, logits: torch.Tensor, reqs: list[Req], parts: list[tuple[int, int, SamplingBatchInfo]]
+    ) -> SampleOutput:
+        """Samples each part's logits rows (ScheduleBatch.sampling_parts) with its info; `reqs`
+        has one entry per logits row."""
+        if len(parts) == 1:
+            out = self.sampler(logits, parts[0][2], logprob_request(reqs))
+        else:
+            ids, logprobs = [], {}
+            for start, end, info in parts:
+                part = self.sampler(logits[start:end], info, logprob_request(reqs[start:end]))
+                ids.append(part.next_ids)
+                logprobs.update({start + row: v for row, v in (part.logprobs or {}).items()})
+            out = SampleOutput(torch.cat(ids), logprobs or None)
         if self.sync_sampled:
             tp_broadcast_from_first(out.next_ids)
         return out
-
-    def sample_rows(self, logits: torch.Tensor, reqs: list[Req], infos: list[SamplingBatchInfo]) -> SampleOutput:
-        if len(infos) == 1:
-            return self.sampler(logits, infos[0], logprob_request(reqs))
-        ids, logprobs, start = [], {}, 0
-        for info in infos:
-            end = start + info.batch_size
-            part = self.sampler(logits[start:end], info, logprob_request(reqs[start:end]))
-            ids.append(part.next_ids)
-            logprobs.update({start + row: v for row, v in (part.logprobs or {}).items()})
-            start = end
-        return SampleOutput(torch.cat(ids), logprobs or None)
 
     @staticmethod
     def input_logprobs(batch: ScheduleBatch, rows: list[int], all_logits: torch.Tensor) -> dict[int, dict[str, list]]:

@@ -26,13 +26,14 @@ from srt_lite.managers.io_struct import (
     FlushCacheReqOutput,
     GetLoadReq,
     GetLoadReqOutput,
+    PortArgs,
     SchedulerReady,
     TokenizedGenerateReqInput,
 )
 from srt_lite.managers.tokenizer.req_state import ReqState
 from srt_lite.managers.validation import NO_LOGPROBS, LogprobOptions, RequestError, check_input, parse_sampling_params
 from srt_lite.sampling.sampling_params import SamplingParams
-from srt_lite.server_args import PortArgs, ServerArgs
+from srt_lite.server_args import ServerArgs
 from srt_lite.utils import zmq_socket
 
 if TYPE_CHECKING:
