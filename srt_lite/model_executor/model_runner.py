@@ -151,7 +151,7 @@ class ModelRunner:
         """A checkpoint converted from a GGUF file keeps its Q4_0/Q4_1 linears' 4-bit weights
         beside the dequantized ones (PackableLinear.use_int4), unless --quantization none.
         torch's CPU int4 matmul is vectorised for bf16 activations only (fp32 and fp16 take a
-        scalar loop ~10-20x slower than their own matmul), so a model in another dtype, or on
+        scalar loop, far slower than their own matmul), so a model in another dtype, or on
         CUDA, runs dequantized: in fp32 exactly the dequantized checkpoint, as before."""
         mode = self.server_args.quantization
         gguf = gguf_quant.source_gguf(self.model_config.path)

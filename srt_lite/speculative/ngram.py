@@ -43,10 +43,12 @@ if TYPE_CHECKING:
     from srt_lite.req import Req
 
 
-# Cost model of one step on the CPU, in ms, fitted with benchmarks/bench_forward.py
-# (docs/benchmarks.md gives the fit): a decode step of B rows takes about
-# STEP_BASE + STEP_PER_ROW * B; one draft token adds DRAFT_TOKEN + DRAFT_PER_CONTEXT * (its
-# context length). Only the ratios matter: they set how likely a draft token must be accepted.
+# Cost model of one step, in relative units: a decode step of B rows costs about
+# STEP_BASE + STEP_PER_ROW * B, one draft token DRAFT_TOKEN + DRAFT_PER_CONTEXT * (its context
+# length). Only the ratios matter: they set how likely a draft token must be accepted to pay
+# for itself. They describe a CPU whose decode step is bound by reading the weights (a row
+# costs little beside the step); benchmarks/bench_forward.py measures a machine's own, and
+# docs/benchmarks.md ("Figures behind the code's constants") has the fit they come from.
 STEP_BASE, STEP_PER_ROW = 35.0, 1.0
 DRAFT_TOKEN, DRAFT_PER_CONTEXT = 0.5, 0.0007
 # Acceptance estimates: counts decay by this factor per verified draft of their kind.

@@ -30,7 +30,7 @@ class PackableLinear(nn.Module):
 
     On a CPU in bfloat16, F.linear hands oneDNN a plain weight that it reorders into its
     blocked layout on every call; for the small M of decode steps that reorder costs more
-    than the product itself (a 1 x 576 x 3072 product ran at ~8 GB/s). pack_for_cpu() does
+    than the product itself (docs/benchmarks.md has the figures). pack_for_cpu() does
     the reorder once after loading; the results are bit-identical to F.linear. Where oneDNN
     has no bf16, use_bf16_kernel() sends the product to the C++ bf16 kernel instead.
     """
