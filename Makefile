@@ -31,7 +31,7 @@ serve: $(STAMP)
 # (SRT_LITE_CPU_CAPS, which also caps ATen and oneDNN), so an AVX-512 machine checks the AVX2
 # paths too. On a CPU at AVX2 or below the second leg repeats the first.
 test: $(STAMP)
-	$(PY) -m pytest -q $(PYTEST_ARGS)
+	$(PY) -m pytest -q --durations=20 $(PYTEST_ARGS)
 	SRT_LITE_CPU_CAPS=avx2 $(PY) -m pytest -q -m cpu_caps $(PYTEST_ARGS)
 
 clean:
