@@ -29,7 +29,8 @@ SOURCES = [os.path.join(_CSRC, name) for name in ("cpu_attention.cpp", "cpu_prom
                                                   "cpu_amx_linear.cpp", "cpu_int4_linear.cpp", "cpu_prefix_attention.cpp",
                                                   "cpu_norm_rope.cpp", "cpu_decoder.cpp", "cpu_gguf_linear.cpp")]
 # Headers the sources include: not compiled on their own, but part of the build's identity.
-HEADERS = [os.path.join(_CSRC, name) for name in ("cpu_amx.h", "cpu_int4.h", "cpu_prefix_attention.h")]
+HEADERS = [os.path.join(_CSRC, name) for name in ("cpu_amx.h", "cpu_attention_common.h", "cpu_int4.h",
+                                                  "cpu_prefix_attention.h")]
 _loaded: bool | None = None
 # Compiler flags by CPU level (srt_lite.cpu_caps), so at::vec in the sources gets the vector
 # width ATen's own kernels use on this CPU (as ATen builds its AVX2 and AVX-512 kernels).

@@ -19,12 +19,11 @@
 #include <torch/library.h>
 
 #include <algorithm>
-#include <cmath>
 #include <cstring>
-#include <limits>
 #include <mutex>
 #include <vector>
 
+#include "cpu_attention_common.h"
 #include "cpu_prefix_attention.h"
 
 namespace {
@@ -172,7 +171,6 @@ template <typename T, int64_t QR>
 void attend_queries(const float* const* qf, const int64_t* n, const T* kb, const T* vb, const int64_t* slots,
                     int64_t row_stride, int64_t D, float* s, int64_t ps, float* const* acc, float* m, float* l) {
   constexpr int64_t W = Vec::size();
-  const float neg_inf = -std::numeric_limits<float>::infinity();
   int64_t nmax = 0;
   for (int64_t r = 0; r < QR; ++r) nmax = std::max(nmax, n[r]);
   // Each key's K and V lines are asked for kPrefetchKeys keys ahead of the score pass, the
@@ -195,22 +193,13 @@ void attend_queries(const float* const* qf, const int64_t* n, const T* kb, const
       const Vec kv = load_vec(kj + d);
       for (int64_t r = 0; r < QR; ++r) a[r] = at::vec::fmadd(Vec::loadu(qf[r] + d), kv, a[r]);
     }
-    for (int64_t r = 0; r < QR; ++r) s[r * ps + j] = at::vec::vec_reduce_all<float>([](Vec& x, Vec& y) { return x + y; }, a[r]);
+    for (int64_t r = 0; r < QR; ++r) s[r * ps + j] = srt_lite_attn::reduce_sum(a[r]);
   }
   const int64_t np = (nmax + W - 1) / W * W;
   for (int64_t r = 0; r < QR; ++r) {
-    float* sr = s + r * ps;
-    for (int64_t j = n[r]; j < np; ++j) sr[j] = neg_inf;  // past the query's position, or padding
-    Vec vmax(neg_inf);
-    for (int64_t j = 0; j < np; j += W) vmax = at::vec::maximum(vmax, Vec::loadu(sr + j));
-    m[r] = at::vec::vec_reduce_all<float>([](Vec& x, Vec& y) { return at::vec::maximum(x, y); }, vmax);
-    Vec vsum(0.f);
-    for (int64_t j = 0; j < np; j += W) {
-      const Vec e = (Vec::loadu(sr + j) - Vec(m[r])).exp_u20();
-      e.store(sr + j);
-      vsum = vsum + e;
-    }
-    l[r] = at::vec::vec_reduce_all<float>([](Vec& x, Vec& y) { return x + y; }, vsum);
+    const srt_lite_attn::RowSums sums = srt_lite_attn::softmax_row(s + r * ps, n[r], np);
+    m[r] = sums.max;
+    l[r] = sums.sum;
   }
   // Keys past a query's position weigh exp(-inf) = 0, so all queries run to nmax.
   int64_t d = 0;
@@ -280,10 +269,10 @@ void suffix_row(
     for (int64_t r = 0; r < qr; ++r) {
       const int64_t tok = toks[r], head = h * G + gs[r], row = tok * G + gs[r];  // row: the query's index in KV head h
       // Softmax over both key sets: the prefix's share of the mass is sigmoid(lse_pre - lse_suf).
-      const float lse_suf = m[r] + std::log(l[r]);
+      const float lse_suf = srt_lite_attn::part_lse(m[r], l[r]);
       float w_suf = 1.f / l[r];
       if (pre != nullptr) {
-        const float w_pre = 1.f / (1.f + std::exp(lse_suf - lse[h * lse_pre.stride(1) + row * lse_pre.stride(2)]));
+        const float w_pre = srt_lite_attn::first_share(lse[h * lse_pre.stride(1) + row * lse_pre.stride(2)], lse_suf);
         w_suf = (1.f - w_pre) / l[r];
         const int64_t at_row = h * o_pre.stride(1) + row * o_pre.stride(2);
         if (pre_f32) {

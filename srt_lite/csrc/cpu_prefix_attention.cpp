@@ -20,6 +20,7 @@
 #include "cpu_prefix_attention.h"
 
 #include "cpu_amx.h"
+#include "cpu_attention_common.h"
 
 #include <ATen/Parallel.h>
 #include <ATen/cpu/vec/functional.h>
@@ -27,9 +28,7 @@
 #include <torch/library.h>
 
 #include <algorithm>
-#include <cmath>
 #include <cstring>
-#include <limits>
 #include <tuple>
 #include <vector>
 
@@ -272,26 +271,14 @@ __attribute__((target("avx512f,avx512bf16"))) void values_vec(const uint16_t* p,
 // into p (lp apart; zero past n).
 __attribute__((target("avx512f,avx512bf16"))) void softmax_rows(float* s, int64_t ls, int64_t n, int64_t np, int64_t rows,
                                                               float scale, uint16_t* p, int64_t lp, float* m, float* l) {
-  constexpr int64_t W = Vec::size();
-  const float neg_inf = -std::numeric_limits<float>::infinity();
   for (int64_t r = 0; r < rows; ++r) {
     float* sr = s + r * ls;
-    for (int64_t j = n; j < np; ++j) sr[j] = neg_inf;
-    Vec vmax(neg_inf);
-    for (int64_t j = 0; j < np; j += W) {
-      const Vec x = Vec::loadu(sr + j) * Vec(scale);
-      x.store(sr + j);
-      vmax = at::vec::maximum(vmax, x);
-    }
-    const float mr = at::vec::vec_reduce_all<float>([](Vec& x, Vec& y) { return at::vec::maximum(x, y); }, vmax);
-    Vec vsum(0.f);
-    for (int64_t j = 0; j < np; j += W) {
-      const Vec e = (Vec::loadu(sr + j) - Vec(mr)).exp_u20();
-      vsum = vsum + e;
-      _mm256_storeu_si256(reinterpret_cast<__m256i*>(p + r * lp + j), (__m256i)_mm512_cvtneps_pbh(e));
-    }
-    m[r] = mr;
-    l[r] = at::vec::vec_reduce_all<float>([](Vec& x, Vec& y) { return x + y; }, vsum);
+    uint16_t* pr = p + r * lp;
+    m[r] = srt_lite_attn::masked_scaled_max(sr, n, np, scale);
+    // The lambda names its target itself: it does not take softmax_rows' (vcvtneps2bf16).
+    l[r] = srt_lite_attn::exp_sum(sr, np, m[r], [pr](int64_t j, const Vec& e) __attribute__((target("avx512f,avx512bf16"))) {
+      _mm256_storeu_si256(reinterpret_cast<__m256i*>(pr + j), (__m256i)_mm512_cvtneps_pbh(e));
+    });
   }
 }
 #endif
@@ -414,22 +401,9 @@ bool attention(const at::Tensor& q, int64_t T, int64_t G, const at::Tensor& k_bu
     std::vector<float> w(chunks);
     for (int64_t hr = begin; hr < end; ++hr) {
       const int64_t h = hr / M, r = hr % M;
-      float mx = -std::numeric_limits<float>::infinity();
-      for (int64_t c = 0; c < chunks; ++c) mx = std::max(mx, ml[(h * chunks + c) * 2 * Mpad + r]);
-      float total = 0.f;
-      for (int64_t c = 0; c < chunks; ++c) {
-        const float* mc = ml + (h * chunks + c) * 2 * Mpad;
-        w[c] = std::exp(mc[r] - mx);
-        total += w[c] * mc[Mpad + r];
-      }
-      float* dst = op + hr * D;
-      std::memset(dst, 0, D * sizeof(float));
-      for (int64_t c = 0; c < chunks; ++c) {
-        const float wc = w[c] / total;
-        const float* src = acc + ((h * chunks + c) * Mpad + r) * D;
-        for (int64_t d = 0; d < D; ++d) dst[d] += wc * src[d];
-      }
-      lp[hr] = mx + std::log(total);
+      const float* m = ml + h * chunks * 2 * Mpad + r;
+      lp[hr] = srt_lite_attn::merge_parts(chunks, m, m + Mpad, 2 * Mpad, acc + (h * chunks * Mpad + r) * D, Mpad * D, D,
+                                          w.data(), op + hr * D);
     }
   });
   return true;

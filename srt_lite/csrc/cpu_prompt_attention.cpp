@@ -29,11 +29,11 @@
 
 #include <algorithm>
 #include <atomic>
-#include <cmath>
 #include <cstdint>
 #include <cstring>
-#include <limits>
 #include <vector>
+
+#include "cpu_attention_common.h"
 
 #if defined(CPU_CAPABILITY_AVX512) && defined(__GNUC__)
 #define SRT_LITE_PROMPT_BF16_DOT 1
@@ -166,21 +166,7 @@ void pack_f32(const Part& p, const T* kb, const T* vb, int64_t row_stride, int64
 // s[m, j] = exp(s[m, j] - max) for j < n[m], 0 up to `width` (a multiple of W); returns the
 // sums in l[m].
 void softmax_rows(float* s, int64_t lds, int64_t rows, const int64_t* n, int64_t width, float* l) {
-  const float neg_inf = -std::numeric_limits<float>::infinity();
-  for (int64_t m = 0; m < rows; ++m) {
-    float* sr = s + m * lds;
-    for (int64_t j = n[m]; j < width; ++j) sr[j] = neg_inf;
-    Vec vmax(neg_inf);
-    for (int64_t j = 0; j < width; j += W) vmax = at::vec::maximum(vmax, Vec::loadu(sr + j));
-    const float mx = at::vec::vec_reduce_all<float>([](Vec& x, Vec& y) { return at::vec::maximum(x, y); }, vmax);
-    Vec vsum(0.f);
-    for (int64_t j = 0; j < width; j += W) {
-      const Vec e = (Vec::loadu(sr + j) - Vec(mx)).exp_u20();
-      e.store(sr + j);
-      vsum = vsum + e;
-    }
-    l[m] = at::vec::vec_reduce_all<float>([](Vec& x, Vec& y) { return x + y; }, vsum);
-  }
+  for (int64_t m = 0; m < rows; ++m) l[m] = srt_lite_attn::softmax_row(s + m * lds, n[m], width).sum;
 }
 
 // The tile's query rows: row r of a part is head h * G + r % G of its token r / G.
