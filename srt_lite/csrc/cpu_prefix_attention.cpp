@@ -281,6 +281,156 @@ __attribute__((target("avx512f,avx512bf16"))) void softmax_rows(float* s, int64_
     });
   }
 }
+
+// ---- one call: pack the queries, plan the chunks, attend each (KV head, chunk), merge -----
+
+// The prefix's slots (null: prefix_len consecutive slots from prefix_start), each checked to
+// address the pool.
+const int64_t* prefix_slots(int64_t prefix_start, int64_t prefix_len, const at::Tensor& prefix_index, int64_t N) {
+  if (prefix_start >= 0) {
+    TORCH_CHECK(prefix_start + prefix_len <= N, "prefix_attention: prefix slots past the buffer");
+    return nullptr;
+  }
+  TORCH_CHECK(prefix_index.scalar_type() == at::kLong && prefix_index.dim() == 1 && prefix_index.is_contiguous() &&
+                  prefix_index.size(0) >= prefix_len,
+              "prefix_attention: prefix_index must be a contiguous int64 [>= prefix_len]");
+  const int64_t* index = prefix_index.data_ptr<int64_t>();
+  for (int64_t j = 0; j < prefix_len; ++j) {
+    TORCH_CHECK(index[j] >= 0 && index[j] < N, "prefix_attention: slot id ", index[j], " out of range [0, ", N, ")");
+  }
+  return index;
+}
+
+// How one call's work is split: M queries per KV head (padded to whole tiles), and the
+// prefix in chunks of lc keys, one task per (KV head, chunk).
+struct Plan {
+  int64_t Hkv, D, M, Mpad, lc, chunks;
+};
+
+// Chunks: about eight tasks a thread, whole key blocks.
+Plan plan_chunks(int64_t prefix_len, int64_t Hkv, int64_t D, int64_t M) {
+  const int64_t threads = at::get_num_threads();
+  int64_t lc = (prefix_len * Hkv + 8 * threads - 1) / (8 * threads);
+  lc = std::clamp((lc + kKeyBlock - 1) / kKeyBlock * kKeyBlock, kMinChunkKeys, kMaxChunkKeys);
+  return {Hkv, D, M, (M + 15) / 16 * 16, lc, (prefix_len + lc - 1) / lc};
+}
+
+// qh [Hkv, Mpad, D]: query t * G + g of KV head h is head h * G + g of token t; pad rows 0.
+at::Tensor pack_queries(const at::Tensor& q, int64_t T, int64_t G, const Plan& pl) {
+  const int64_t D = pl.D, Mpad = pl.Mpad;
+  at::Tensor qh = at::zeros({pl.Hkv, Mpad, D}, q.options().memory_format(at::MemoryFormat::Contiguous));
+  const auto* qp = reinterpret_cast<const uint16_t*>(q.data_ptr<c10::BFloat16>());
+  auto* qhp = reinterpret_cast<uint16_t*>(qh.data_ptr<c10::BFloat16>());
+  for (int64_t h = 0; h < pl.Hkv; ++h) {
+    for (int64_t t = 0; t < T; ++t) {
+      std::memcpy(qhp + (h * Mpad + t * G) * D, qp + t * q.stride(0) + h * G * D, G * D * sizeof(uint16_t));
+    }
+  }
+  return qh;
+}
+
+// A thread's buffers for one chunk, kept from call to call.
+struct Scratch {
+  std::vector<uint16_t> kt;  // [lc / 16, D / 32, 16, 32] K^T tiles
+  std::vector<uint16_t> vv;  // [lc / 32, D / 16, 16, 32] V tiles
+  std::vector<float> s;      // [32, lc] scores
+  std::vector<uint16_t> p;   // [32, lc] probabilities
+};
+
+// One pass of up to kQueryBlock queries (qh rows from q) over a chunk's packed keys and
+// values (np keys with padding): each query's max and exp-sum into m[i], l[i], its
+// unnormalised output into acc [32, D].
+struct Block {
+  const uint16_t* q;
+  int64_t real;  // the block's queries; its rows past them are padding
+  bool two;      // rows past 16 exist (a second tile of queries)
+  float* m;
+  float* l;
+  float* acc;
+};
+
+void attend_block_tiles(const Block& b, const Chunk& ch, int64_t np, int64_t lc, float scale, Scratch& sc) {
+  const int64_t nb = np / kKeyBlock;
+  if (b.two) {
+    scores<2>(b.q, ch.D, sc.kt.data(), nb, sc.s.data(), lc);
+  } else {
+    scores<1>(b.q, ch.D, sc.kt.data(), nb, sc.s.data(), lc);
+  }
+  softmax_rows(sc.s.data(), lc, ch.n, np, b.real, scale, sc.p.data(), lc, b.m, b.l);
+  if (b.two) {
+    values<2>(sc.p.data(), lc, sc.vv.data(), nb, ch.D, b.acc);
+  } else {
+    values<1>(sc.p.data(), lc, sc.vv.data(), nb, ch.D, b.acc);
+  }
+}
+
+// Vectors need no whole tiles: rows go 8 (scores) and 4 (values) at a time, and the rows
+// past `real` up to a multiple of 8 are qh's zero padding.
+void attend_block_vectors(const Block& b, const Chunk& ch, int64_t np, int64_t lc, float scale, Scratch& sc) {
+  const int64_t nb = np / kKeyBlock, D = ch.D;
+  const int64_t rows = (b.real + 7) / 8 * 8;
+  for (int64_t r = 0; r < rows; r += 8) scores_vec<8>(b.q + r * D, D, sc.kt.data(), nb, sc.s.data() + r * lc, lc);
+  softmax_rows(sc.s.data(), lc, ch.n, np, b.real, scale, sc.p.data(), lc, b.m, b.l);
+  for (int64_t r = 0; r < b.real; r += 4) {
+    int64_t dt = 0;
+    for (; dt + 4 <= D / 16; dt += 4) values_vec<4, 4>(sc.p.data() + r * lc, lc, sc.vv.data(), nb, D, dt, b.acc + r * D);
+    if (dt < D / 16) values_vec<4, 2>(sc.p.data() + r * lc, lc, sc.vv.data(), nb, D, dt, b.acc + r * D);
+  }
+}
+
+// Every (KV head, chunk) task: its keys and values packed once, then every query against
+// them. Writes each task's partial result: acc [Hkv, chunks, Mpad, D] unnormalised outputs,
+// ml [Hkv, chunks, (max, exp-sum), Mpad].
+void attend_chunks(const Plan& pl, const uint16_t* qh, const uint16_t* kb, const uint16_t* vb, const int64_t* index,
+                   int64_t prefix_start, int64_t prefix_len, float scale, bool tiles, float* acc, float* ml) {
+  const int64_t D = pl.D, Mpad = pl.Mpad, lc = pl.lc, chunks = pl.chunks;
+  at::parallel_for(0, pl.Hkv * chunks, 1, [&](int64_t begin, int64_t end) {
+    static thread_local Scratch sc;
+    sc.kt.resize(lc * D);
+    sc.vv.resize(lc * D);
+    sc.s.resize(kQueryBlock * lc);
+    sc.p.resize(kQueryBlock * lc);
+    if (tiles) configure();
+    for (int64_t task = begin; task < end; ++task) {
+      const int64_t h = task / chunks, c = task % chunks;
+      const Chunk ch{kb + h * D, vb + h * D, index, prefix_start, pl.Hkv * D, c * lc, std::min(lc, prefix_len - c * lc), D};
+      const int64_t np = (ch.n + kKeyBlock - 1) / kKeyBlock * kKeyBlock;
+      pack_keys(ch, np, sc.kt.data());
+      pack_values(ch, np, sc.vv.data());
+      float* m = ml + (h * chunks + c) * 2 * Mpad;
+      for (int64_t q0 = 0; q0 < Mpad; q0 += kQueryBlock) {
+        const Block b{qh + (h * Mpad + q0) * D, std::min(kQueryBlock, pl.M - q0), Mpad - q0 > 16, m + q0, m + Mpad + q0,
+                      acc + ((h * chunks + c) * Mpad + q0) * D};
+        if (tiles) {
+          attend_block_tiles(b, ch, np, lc, scale, sc);
+        } else {
+          attend_block_vectors(b, ch, np, lc, scale, sc);
+        }
+      }
+    }
+    if (tiles) release_tiles();
+  });
+}
+
+// The chunks' partial results merged per query: o [1, Hkv, M, D] fp32 and lse [1, Hkv, M] of
+// the scaled scores, as flash attention returns them.
+void merge_chunks(const Plan& pl, const float* acc, const float* ml, at::Tensor& o, at::Tensor& lse) {
+  const int64_t D = pl.D, M = pl.M, Mpad = pl.Mpad, chunks = pl.chunks;
+  auto f32 = at::TensorOptions().dtype(at::kFloat);
+  o = at::empty({1, pl.Hkv, M, D}, f32);
+  lse = at::empty({1, pl.Hkv, M}, f32);
+  float* op = o.data_ptr<float>();
+  float* lp = lse.data_ptr<float>();
+  at::parallel_for(0, pl.Hkv * M, 16, [&](int64_t begin, int64_t end) {
+    std::vector<float> w(chunks);
+    for (int64_t hr = begin; hr < end; ++hr) {
+      const int64_t h = hr / M, r = hr % M;
+      const float* m = ml + h * chunks * 2 * Mpad + r;
+      lp[hr] = srt_lite_attn::merge_parts(chunks, m, m + Mpad, 2 * Mpad, acc + (h * chunks * Mpad + r) * D, Mpad * D, D,
+                                          w.data(), op + hr * D);
+    }
+  });
+}
 #endif
 
 }  // namespace
@@ -302,110 +452,22 @@ bool attention(const at::Tensor& q, int64_t T, int64_t G, const at::Tensor& k_bu
       k_buf.scalar_type() != at::kBFloat16 || D % 32 != 0 || D > 256 || prefix_len <= 0 || T <= 0) {
     return false;
   }
-  const bool tiles = kernel == Kernel::kTiles;
   TORCH_CHECK(k_buf.is_contiguous() && v_buf.is_contiguous() && v_buf.sizes() == k_buf.sizes() &&
                   v_buf.scalar_type() == at::kBFloat16,
               "prefix_attention: KV buffers must be contiguous bf16 [N, Hkv, D]");
   TORCH_CHECK(q.dim() == 2 && q.size(0) >= T && q.size(1) == Hkv * G * D && q.stride(1) == 1,
               "prefix_attention: q must be [>= T, H * D] with contiguous rows");
-  const int64_t* index = nullptr;
-  if (prefix_start >= 0) {
-    TORCH_CHECK(prefix_start + prefix_len <= N, "prefix_attention: prefix slots past the buffer");
-  } else {
-    TORCH_CHECK(prefix_index.scalar_type() == at::kLong && prefix_index.dim() == 1 && prefix_index.is_contiguous() &&
-                    prefix_index.size(0) >= prefix_len,
-                "prefix_attention: prefix_index must be a contiguous int64 [>= prefix_len]");
-    index = prefix_index.data_ptr<int64_t>();
-    for (int64_t j = 0; j < prefix_len; ++j) {
-      TORCH_CHECK(index[j] >= 0 && index[j] < N, "prefix_attention: slot id ", index[j], " out of range [0, ", N, ")");
-    }
-  }
-  const int64_t M = T * G, Mpad = (M + 15) / 16 * 16;
-  // qh [Hkv, Mpad, D]: query t * G + g of KV head h is head h * G + g of token t; pad rows 0.
-  at::Tensor qh = at::zeros({Hkv, Mpad, D}, q.options().memory_format(at::MemoryFormat::Contiguous));
-  const auto* qp = reinterpret_cast<const uint16_t*>(q.data_ptr<c10::BFloat16>());
-  auto* qhp = reinterpret_cast<uint16_t*>(qh.data_ptr<c10::BFloat16>());
-  for (int64_t h = 0; h < Hkv; ++h) {
-    for (int64_t t = 0; t < T; ++t) {
-      std::memcpy(qhp + (h * Mpad + t * G) * D, qp + t * q.stride(0) + h * G * D, G * D * sizeof(uint16_t));
-    }
-  }
-  // Chunks: about eight tasks a thread, whole key blocks.
-  const int64_t threads = at::get_num_threads();
-  int64_t lc = (prefix_len * Hkv + 8 * threads - 1) / (8 * threads);
-  lc = std::clamp((lc + kKeyBlock - 1) / kKeyBlock * kKeyBlock, kMinChunkKeys, kMaxChunkKeys);
-  const int64_t chunks = (prefix_len + lc - 1) / lc;
+  const int64_t* index = prefix_slots(prefix_start, prefix_len, prefix_index, N);
+  const Plan pl = plan_chunks(prefix_len, Hkv, D, T * G);
+  const at::Tensor qh = pack_queries(q, T, G, pl);
   auto f32 = q.options().dtype(at::kFloat);
-  at::Tensor part_acc = at::empty({Hkv, chunks, Mpad, D}, f32);  // [Hkv, chunks, Mpad, D] unnormalised outputs
-  at::Tensor part_ml = at::empty({Hkv, chunks, 2, Mpad}, f32);   // [Hkv, chunks, (max, exp-sum), Mpad]
-  float* acc = part_acc.data_ptr<float>();
-  float* ml = part_ml.data_ptr<float>();
-  const auto* kb = reinterpret_cast<const uint16_t*>(k_buf.data_ptr<c10::BFloat16>());
-  const auto* vb = reinterpret_cast<const uint16_t*>(v_buf.data_ptr<c10::BFloat16>());
-  const float fscale = static_cast<float>(scale);
-  at::parallel_for(0, Hkv * chunks, 1, [&](int64_t begin, int64_t end) {
-    static thread_local std::vector<uint16_t> kt, vv, p;
-    static thread_local std::vector<float> s;
-    kt.resize(lc * D);           // [lc / 16, D / 32, 16, 32] K^T tiles
-    vv.resize(lc * D);           // [lc / 32, D / 16, 16, 32] V tiles
-    s.resize(kQueryBlock * lc);  // [32, lc] scores
-    p.resize(kQueryBlock * lc);  // [32, lc] probabilities
-    if (tiles) configure();
-    for (int64_t task = begin; task < end; ++task) {
-      const int64_t h = task / chunks, c = task % chunks;
-      const Chunk ch{kb + h * D, vb + h * D, index, prefix_start, Hkv * D, c * lc, std::min(lc, prefix_len - c * lc), D};
-      const int64_t np = (ch.n + kKeyBlock - 1) / kKeyBlock * kKeyBlock, nb = np / kKeyBlock;
-      pack_keys(ch, np, kt.data());
-      pack_values(ch, np, vv.data());
-      float* m = ml + (h * chunks + c) * 2 * Mpad;
-      for (int64_t q0 = 0; q0 < Mpad; q0 += kQueryBlock) {
-        const uint16_t* qb = qhp + (h * Mpad + q0) * D;
-        float* ab = acc + ((h * chunks + c) * Mpad + q0) * D;
-        const int64_t real = std::min(kQueryBlock, M - q0);
-        if (tiles) {
-          const bool two = Mpad - q0 > 16;
-          if (two) {
-            scores<2>(qb, D, kt.data(), nb, s.data(), lc);
-          } else {
-            scores<1>(qb, D, kt.data(), nb, s.data(), lc);
-          }
-          softmax_rows(s.data(), lc, ch.n, np, real, fscale, p.data(), lc, m + q0, m + Mpad + q0);
-          if (two) {
-            values<2>(p.data(), lc, vv.data(), nb, D, ab);
-          } else {
-            values<1>(p.data(), lc, vv.data(), nb, D, ab);
-          }
-          continue;
-        }
-        // Vectors need no whole tiles: rows go 8 (scores) and 4 (values) at a time, and the
-        // rows past `real` up to a multiple of 8 are qh's zero padding.
-        const int64_t rows = (real + 7) / 8 * 8;
-        for (int64_t r = 0; r < rows; r += 8) scores_vec<8>(qb + r * D, D, kt.data(), nb, s.data() + r * lc, lc);
-        softmax_rows(s.data(), lc, ch.n, np, real, fscale, p.data(), lc, m + q0, m + Mpad + q0);
-        for (int64_t r = 0; r < real; r += 4) {
-          int64_t dt = 0;
-          for (; dt + 4 <= D / 16; dt += 4) values_vec<4, 4>(p.data() + r * lc, lc, vv.data(), nb, D, dt, ab + r * D);
-          if (dt < D / 16) values_vec<4, 2>(p.data() + r * lc, lc, vv.data(), nb, D, dt, ab + r * D);
-        }
-      }
-    }
-    if (tiles) release_tiles();
-  });
-  // Merge the chunks: o [1, Hkv, M, D] fp32 and lse [1, Hkv, M] of the scaled scores, as
-  // flash attention returns them.
-  o = at::empty({1, Hkv, M, D}, f32);
-  lse = at::empty({1, Hkv, M}, f32);
-  float* op = o.data_ptr<float>();
-  float* lp = lse.data_ptr<float>();
-  at::parallel_for(0, Hkv * M, 16, [&](int64_t begin, int64_t end) {
-    std::vector<float> w(chunks);
-    for (int64_t hr = begin; hr < end; ++hr) {
-      const int64_t h = hr / M, r = hr % M;
-      const float* m = ml + h * chunks * 2 * Mpad + r;
-      lp[hr] = srt_lite_attn::merge_parts(chunks, m, m + Mpad, 2 * Mpad, acc + (h * chunks * Mpad + r) * D, Mpad * D, D,
-                                          w.data(), op + hr * D);
-    }
-  });
+  at::Tensor part_acc = at::empty({Hkv, pl.chunks, pl.Mpad, D}, f32);  // [Hkv, chunks, Mpad, D] unnormalised outputs
+  at::Tensor part_ml = at::empty({Hkv, pl.chunks, 2, pl.Mpad}, f32);   // [Hkv, chunks, (max, exp-sum), Mpad]
+  attend_chunks(pl, reinterpret_cast<const uint16_t*>(qh.data_ptr<c10::BFloat16>()),
+                reinterpret_cast<const uint16_t*>(k_buf.data_ptr<c10::BFloat16>()),
+                reinterpret_cast<const uint16_t*>(v_buf.data_ptr<c10::BFloat16>()), index, prefix_start, prefix_len,
+                static_cast<float>(scale), kernel == Kernel::kTiles, part_acc.data_ptr<float>(), part_ml.data_ptr<float>());
+  merge_chunks(pl, part_acc.data_ptr<float>(), part_ml.data_ptr<float>(), o, lse);
   return true;
 #else
   (void)q, (void)T, (void)G, (void)k_buf, (void)v_buf, (void)prefix_start, (void)prefix_len, (void)prefix_index,
