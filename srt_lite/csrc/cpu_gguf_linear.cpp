@@ -159,6 +159,122 @@ inline void legacy_codes(const uint8_t* qs, const uint8_t* qh, uint8_t* codes) {
 #endif
 }
 
+// read_unit's parts, forced inline: read_unit runs for every 256 weights of the products,
+// and each part should compile into it as one body, not a call.
+#if defined(__GNUC__)
+#define GGUF_READ_INLINE inline __attribute__((always_inline))
+#else
+#define GGUF_READ_INLINE inline
+#endif
+
+// Q4_0 / Q4_1 / Q5_0 / Q5_1 / Q8_0: n / 32 blocks of 32 weights with one scale (and minimum) each.
+template <bool kOffset8>
+GGUF_READ_INLINE void read_small_blocks(int64_t type, const uint8_t* row, int64_t k0, int64_t n, Unit& u) {
+  const TypeInfo info = type_info(type);
+  for (int64_t g = 0; g < n / 32; ++g) {
+    const uint8_t* blk = row + (k0 / 32 + g) * info.bytes;
+    const float d = half_at(blk);
+    if (type == kQ8_0) {
+#if defined(__AVX2__)
+      __m256i q = load32(blk + 2);
+      if (kOffset8) q = _mm256_xor_si256(q, _mm256_set1_epi8(static_cast<char>(0x80)));
+      store32(u.codes + 32 * g, q);
+#else
+      for (int l = 0; l < 32; ++l) u.codes[32 * g + l] = blk[2 + l] ^ (kOffset8 ? 0x80 : 0);
+#endif
+      set_scale32(u, g, d, kOffset8 ? -128.f * d : 0.f);
+      continue;
+    }
+    const bool has_min = type == kQ4_1 || type == kQ5_1, five = type == kQ5_0 || type == kQ5_1;
+    const uint8_t* q = blk + (has_min ? 4 : 2);
+    legacy_codes(q + (five ? 4 : 0), five ? q : nullptr, u.codes + 32 * g);
+    set_scale32(u, g, d, has_min ? half_at(blk + 2) : -d * (five ? 16.f : 8.f));
+  }
+}
+
+// Q4_K / Q5_K: one super-block of 8 x 32 weights, 4-bit codes (and Q5_K's fifth bits).
+GGUF_READ_INLINE void read_k4_block(int64_t type, const uint8_t* row, int64_t k0, Unit& u) {
+  const uint8_t* blk = row + (k0 / 256) * (type == kQ5_K ? 176 : 144);
+  const float d = half_at(blk), dmin = half_at(blk + 2);
+  const uint8_t* qh = blk + 16;
+  const uint8_t* qs = blk + (type == kQ5_K ? 48 : 16);
+  // 64 weights at a time: the low nibbles of 32 bytes, then their high nibbles.
+#if defined(__AVX2__)
+  const __m256i m4 = _mm256_set1_epi8(0xF);
+  const __m256i hv = type == kQ5_K ? load32(qh) : _mm256_setzero_si256();
+  for (int c = 0; c < 4; ++c) {
+    const __m256i v = load32(qs + 32 * c);
+    __m256i lo = _mm256_and_si256(v, m4), hi = _mm256_and_si256(_mm256_srli_epi16(v, 4), m4);
+    if (type == kQ5_K) {
+      const __m256i bl = _mm256_set1_epi8(static_cast<char>(1 << (2 * c))), bh = _mm256_set1_epi8(static_cast<char>(2 << (2 * c)));
+      const __m256i five = _mm256_set1_epi8(0x10);
+      lo = _mm256_or_si256(lo, _mm256_and_si256(_mm256_cmpeq_epi8(_mm256_and_si256(hv, bl), bl), five));
+      hi = _mm256_or_si256(hi, _mm256_and_si256(_mm256_cmpeq_epi8(_mm256_and_si256(hv, bh), bh), five));
+    }
+    store32(u.codes + 64 * c, lo);
+    store32(u.codes + 64 * c + 32, hi);
+  }
+#else
+  for (int c = 0; c < 4; ++c) {
+    for (int l = 0; l < 32; ++l) {
+      uint8_t lo = qs[32 * c + l] & 0xF, hi = qs[32 * c + l] >> 4;
+      if (type == kQ5_K) {
+        lo |= ((qh[l] >> (2 * c)) & 1) << 4;
+        hi |= ((qh[l] >> (2 * c + 1)) & 1) << 4;
+      }
+      u.codes[64 * c + l] = lo;
+      u.codes[64 * c + 32 + l] = hi;
+    }
+  }
+#endif
+  set_k4_scales(u, blk + 4, d, dmin);
+}
+
+// Q6_K: one super-block of 16 x 16 weights, 4 low and 2 high bits a code.
+GGUF_READ_INLINE void read_q6k_block(const uint8_t* row, int64_t k0, Unit& u) {
+  const uint8_t* blk = row + (k0 / 256) * 210;
+  const uint8_t* ql = blk;
+  const uint8_t* qh = blk + 128;
+  const int8_t* sc = reinterpret_cast<const int8_t*>(blk + 192);
+  const float d = half_at(blk + 208);
+  for (int h = 0; h < 2; ++h) {
+    uint8_t* c = u.codes + 128 * h;
+#if defined(__AVX2__)
+    const __m256i l0 = load32(ql + 64 * h), l1 = load32(ql + 64 * h + 32), hb = load32(qh + 32 * h);
+    const __m256i m4 = _mm256_set1_epi8(0xF), m30 = _mm256_set1_epi8(0x30);
+    store32(c, _mm256_or_si256(_mm256_and_si256(l0, m4), _mm256_and_si256(_mm256_slli_epi16(hb, 4), m30)));
+    store32(c + 32, _mm256_or_si256(_mm256_and_si256(l1, m4), _mm256_and_si256(_mm256_slli_epi16(hb, 2), m30)));
+    store32(c + 64, _mm256_or_si256(_mm256_and_si256(_mm256_srli_epi16(l0, 4), m4), _mm256_and_si256(hb, m30)));
+    store32(c + 96, _mm256_or_si256(_mm256_and_si256(_mm256_srli_epi16(l1, 4), m4),
+                                    _mm256_and_si256(_mm256_srli_epi16(hb, 2), m30)));
+#else
+    const uint8_t* l4 = ql + 64 * h;
+    const uint8_t* h2 = qh + 32 * h;
+    for (int l = 0; l < 32; ++l) {
+      c[l] = (l4[l] & 0xF) | ((h2[l] & 3) << 4);
+      c[l + 32] = (l4[l + 32] & 0xF) | (((h2[l] >> 2) & 3) << 4);
+      c[l + 64] = (l4[l] >> 4) | (((h2[l] >> 4) & 3) << 4);
+      c[l + 96] = (l4[l + 32] >> 4) | (((h2[l] >> 6) & 3) << 4);
+    }
+#endif
+  }
+#if defined(__AVX2__)
+  const __m128i s8 = _mm_loadu_si128(reinterpret_cast<const __m128i*>(sc));
+  const __m256 dv = _mm256_set1_ps(d), m32 = _mm256_set1_ps(-32.f);
+  const __m256 lo = _mm256_mul_ps(dv, _mm256_cvtepi32_ps(_mm256_cvtepi8_epi32(s8)));
+  const __m256 hi = _mm256_mul_ps(dv, _mm256_cvtepi32_ps(_mm256_cvtepi8_epi32(_mm_srli_si128(s8, 8))));
+  _mm256_store_ps(u.a16, lo);
+  _mm256_store_ps(u.a16 + 8, hi);
+  _mm256_store_ps(u.b16, _mm256_mul_ps(m32, lo));
+  _mm256_store_ps(u.b16 + 8, _mm256_mul_ps(m32, hi));
+#else
+  for (int j = 0; j < 16; ++j) {
+    u.a16[j] = d * static_cast<float>(sc[j]);
+    u.b16[j] = -32.f * u.a16[j];
+  }
+#endif
+}
+
 // Reads weights [k0, k0 + n) of one row (n a multiple of the type's block, at most kMaxUnit).
 // Q8_0's codes are its signed values unless kOffset8, where they are value + 128 (b = -128 a).
 template <bool kOffset8>
@@ -169,110 +285,9 @@ void read_unit(int64_t type, const uint8_t* row, int64_t k0, int64_t n, Unit& u)
     std::memset(u.b16 + n / 16, 0, (kMaxUnit - n) / 4);
   }
   switch (type) {
-    case kQ4_0: case kQ4_1: case kQ5_0: case kQ5_1: case kQ8_0: {
-      const TypeInfo info = type_info(type);
-      for (int64_t g = 0; g < n / 32; ++g) {
-        const uint8_t* blk = row + (k0 / 32 + g) * info.bytes;
-        const float d = half_at(blk);
-        if (type == kQ8_0) {
-#if defined(__AVX2__)
-          __m256i q = load32(blk + 2);
-          if (kOffset8) q = _mm256_xor_si256(q, _mm256_set1_epi8(static_cast<char>(0x80)));
-          store32(u.codes + 32 * g, q);
-#else
-          for (int l = 0; l < 32; ++l) u.codes[32 * g + l] = blk[2 + l] ^ (kOffset8 ? 0x80 : 0);
-#endif
-          set_scale32(u, g, d, kOffset8 ? -128.f * d : 0.f);
-          continue;
-        }
-        const bool has_min = type == kQ4_1 || type == kQ5_1, five = type == kQ5_0 || type == kQ5_1;
-        const uint8_t* q = blk + (has_min ? 4 : 2);
-        legacy_codes(q + (five ? 4 : 0), five ? q : nullptr, u.codes + 32 * g);
-        set_scale32(u, g, d, has_min ? half_at(blk + 2) : -d * (five ? 16.f : 8.f));
-      }
-      return;
-    }
-    case kQ4_K: case kQ5_K: {
-      const uint8_t* blk = row + (k0 / 256) * (type == kQ5_K ? 176 : 144);
-      const float d = half_at(blk), dmin = half_at(blk + 2);
-      const uint8_t* qh = blk + 16;
-      const uint8_t* qs = blk + (type == kQ5_K ? 48 : 16);
-      // 64 weights at a time: the low nibbles of 32 bytes, then their high nibbles.
-#if defined(__AVX2__)
-      const __m256i m4 = _mm256_set1_epi8(0xF);
-      const __m256i hv = type == kQ5_K ? load32(qh) : _mm256_setzero_si256();
-      for (int c = 0; c < 4; ++c) {
-        const __m256i v = load32(qs + 32 * c);
-        __m256i lo = _mm256_and_si256(v, m4), hi = _mm256_and_si256(_mm256_srli_epi16(v, 4), m4);
-        if (type == kQ5_K) {
-          const __m256i bl = _mm256_set1_epi8(static_cast<char>(1 << (2 * c))), bh = _mm256_set1_epi8(static_cast<char>(2 << (2 * c)));
-          const __m256i five = _mm256_set1_epi8(0x10);
-          lo = _mm256_or_si256(lo, _mm256_and_si256(_mm256_cmpeq_epi8(_mm256_and_si256(hv, bl), bl), five));
-          hi = _mm256_or_si256(hi, _mm256_and_si256(_mm256_cmpeq_epi8(_mm256_and_si256(hv, bh), bh), five));
-        }
-        store32(u.codes + 64 * c, lo);
-        store32(u.codes + 64 * c + 32, hi);
-      }
-#else
-      for (int c = 0; c < 4; ++c) {
-        for (int l = 0; l < 32; ++l) {
-          uint8_t lo = qs[32 * c + l] & 0xF, hi = qs[32 * c + l] >> 4;
-          if (type == kQ5_K) {
-            lo |= ((qh[l] >> (2 * c)) & 1) << 4;
-            hi |= ((qh[l] >> (2 * c + 1)) & 1) << 4;
-          }
-          u.codes[64 * c + l] = lo;
-          u.codes[64 * c + 32 + l] = hi;
-        }
-      }
-#endif
-      set_k4_scales(u, blk + 4, d, dmin);
-      return;
-    }
-    case kQ6_K: {
-      const uint8_t* blk = row + (k0 / 256) * 210;
-      const uint8_t* ql = blk;
-      const uint8_t* qh = blk + 128;
-      const int8_t* sc = reinterpret_cast<const int8_t*>(blk + 192);
-      const float d = half_at(blk + 208);
-      for (int h = 0; h < 2; ++h) {
-        uint8_t* c = u.codes + 128 * h;
-#if defined(__AVX2__)
-        const __m256i l0 = load32(ql + 64 * h), l1 = load32(ql + 64 * h + 32), hb = load32(qh + 32 * h);
-        const __m256i m4 = _mm256_set1_epi8(0xF), m30 = _mm256_set1_epi8(0x30);
-        store32(c, _mm256_or_si256(_mm256_and_si256(l0, m4), _mm256_and_si256(_mm256_slli_epi16(hb, 4), m30)));
-        store32(c + 32, _mm256_or_si256(_mm256_and_si256(l1, m4), _mm256_and_si256(_mm256_slli_epi16(hb, 2), m30)));
-        store32(c + 64, _mm256_or_si256(_mm256_and_si256(_mm256_srli_epi16(l0, 4), m4), _mm256_and_si256(hb, m30)));
-        store32(c + 96, _mm256_or_si256(_mm256_and_si256(_mm256_srli_epi16(l1, 4), m4),
-                                        _mm256_and_si256(_mm256_srli_epi16(hb, 2), m30)));
-#else
-        const uint8_t* l4 = ql + 64 * h;
-        const uint8_t* h2 = qh + 32 * h;
-        for (int l = 0; l < 32; ++l) {
-          c[l] = (l4[l] & 0xF) | ((h2[l] & 3) << 4);
-          c[l + 32] = (l4[l + 32] & 0xF) | (((h2[l] >> 2) & 3) << 4);
-          c[l + 64] = (l4[l] >> 4) | (((h2[l] >> 4) & 3) << 4);
-          c[l + 96] = (l4[l + 32] >> 4) | (((h2[l] >> 6) & 3) << 4);
-        }
-#endif
-      }
-#if defined(__AVX2__)
-      const __m128i s8 = _mm_loadu_si128(reinterpret_cast<const __m128i*>(sc));
-      const __m256 dv = _mm256_set1_ps(d), m32 = _mm256_set1_ps(-32.f);
-      const __m256 lo = _mm256_mul_ps(dv, _mm256_cvtepi32_ps(_mm256_cvtepi8_epi32(s8)));
-      const __m256 hi = _mm256_mul_ps(dv, _mm256_cvtepi32_ps(_mm256_cvtepi8_epi32(_mm_srli_si128(s8, 8))));
-      _mm256_store_ps(u.a16, lo);
-      _mm256_store_ps(u.a16 + 8, hi);
-      _mm256_store_ps(u.b16, _mm256_mul_ps(m32, lo));
-      _mm256_store_ps(u.b16 + 8, _mm256_mul_ps(m32, hi));
-#else
-      for (int j = 0; j < 16; ++j) {
-        u.a16[j] = d * static_cast<float>(sc[j]);
-        u.b16[j] = -32.f * u.a16[j];
-      }
-#endif
-      return;
-    }
+    case kQ4_0: case kQ4_1: case kQ5_0: case kQ5_1: case kQ8_0: return read_small_blocks<kOffset8>(type, row, k0, n, u);
+    case kQ4_K: case kQ5_K: return read_k4_block(type, row, k0, u);
+    case kQ6_K: return read_q6k_block(row, k0, u);
     default: TORCH_CHECK(false, "gguf: tensor type ", type, " has no kernel");
   }
 }

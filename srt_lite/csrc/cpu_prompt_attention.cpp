@@ -403,15 +403,10 @@ bool bf16_dot_built() {
 
 // ---------------------------------------------------------------------------------------
 
-// One layer's prompt attention. q [>= T, H * D] and out [>= T, H * D] with contiguous rows
-// (rows T.. are left as they are); k_buf, v_buf [N, Hkv, D] the layer's pool, the step's
-// K/V already stored; slots [S] every row's key slots, row after row; q_off, k_off [B + 1]
-// (int64 on the host) where each row's queries and keys start. A row's i-th query is at
-// position nk - nq + i of its keys and sees keys 0 .. that position. bf16_dot: compute a
-// bf16 layer in AVX512-BF16 dot products (the caller asks only where the CPU has them).
-void prompt_attention(const at::Tensor& q, const at::Tensor& k_buf, const at::Tensor& v_buf, const at::Tensor& slots,
-                      const at::Tensor& q_off, const at::Tensor& k_off, int64_t num_heads, double scale, bool bf16_dot,
-                      at::Tensor out) {
+// The op's arguments (see prompt_attention), checked before anything is read: a bad slot or
+// offset would read outside the pool or write outside out.
+void check_args(const at::Tensor& q, const at::Tensor& k_buf, const at::Tensor& v_buf, const at::Tensor& slots,
+                const at::Tensor& q_off, const at::Tensor& k_off, int64_t num_heads, const at::Tensor& out) {
   TORCH_CHECK(k_buf.dim() == 3 && v_buf.sizes() == k_buf.sizes() && k_buf.is_contiguous() && v_buf.is_contiguous(),
               "prompt_attention: KV buffers contiguous [N, Hkv, D]");
   const int64_t N = k_buf.size(0), Hkv = k_buf.size(1), D = k_buf.size(2);
@@ -443,97 +438,152 @@ void prompt_attention(const at::Tensor& q, const at::Tensor& k_buf, const at::Te
   for (int64_t i = 0; i < S; ++i) {
     TORCH_CHECK(sl[i] >= 0 && sl[i] < N, "prompt_attention: slot ", sl[i], " out of range [0, ", N, ")");
   }
-  const bool dots = bf16_dot && dtype == at::kBFloat16;
-  TORCH_CHECK(!dots || bf16_dot_built(), "prompt_attention: no AVX512-BF16 in this CPU or build");
-  const Shape sh{num_heads, Hkv, num_heads / Hkv, D, static_cast<float>(scale)};
-  const int64_t MR = dots ? kBf16Rows : kF32Rows;
+}
 
+// Every (row, KV head) part, with the place of its panels in the pack buffer.
+struct Parts {
   std::vector<Part> parts;
-  parts.reserve(B * Hkv);
-  int64_t pack_elems = 0, max_k = 0;
+  int64_t pack_elems = 0;  // the buffer's size, in elements
+  int64_t max_k = 0;       // keys of the longest row
+};
+
+Parts plan_parts(const at::Tensor& slots, const at::Tensor& q_off, const at::Tensor& k_off, int64_t Hkv, int64_t D,
+                 bool dots) {
+  const int64_t B = q_off.size(0) - 1;
+  const int64_t* qo = q_off.data_ptr<int64_t>();
+  const int64_t* ko = k_off.data_ptr<int64_t>();
+  const int64_t* sl = slots.data_ptr<int64_t>();
+  Parts out;
+  out.parts.reserve(B * Hkv);
   for (int64_t b = 0; b < B; ++b) {
     const int64_t nk = ko[b + 1] - ko[b];
-    max_k = std::max(max_k, nk);
+    out.max_k = std::max(out.max_k, nk);
     for (int64_t h = 0; h < Hkv; ++h) {
-      parts.push_back({b, h, qo[b], qo[b + 1] - qo[b], nk, sl + ko[b], pack_elems});
-      pack_elems += dots ? bf16_pack_elems(nk, D) : f32_pack_elems(nk, D);
+      out.parts.push_back({b, h, qo[b], qo[b + 1] - qo[b], nk, sl + ko[b], out.pack_elems});
+      out.pack_elems += dots ? bf16_pack_elems(nk, D) : f32_pack_elems(nk, D);
     }
   }
-  // Panels of every part: bf16 or fp32 elements. Up to kKeepPackBytes the buffer is kept for
-  // the next call (a fresh one of a few MB, every layer, pays its page faults every time).
-  const int64_t pack_bytes = pack_elems * (dots ? 2 : 4);
-  static thread_local std::vector<uint8_t> kept;
-  at::Tensor big;
-  uint8_t* pack_base;
-  if (pack_bytes <= kKeepPackBytes) {
-    if (static_cast<int64_t>(kept.size()) < pack_bytes) kept.resize(pack_bytes);
-    pack_base = kept.data();
-  } else {
-    big = at::empty({pack_bytes}, q.options().dtype(at::kByte));  // [bytes]
-    pack_base = big.data_ptr<uint8_t>();
-  }
-  const int64_t row_stride = Hkv * D;
-  auto pack_part = [&](const Part& p) {
-    if (dots) {
-      pack_bf16(p, reinterpret_cast<const uint16_t*>(k_buf.data_ptr()), reinterpret_cast<const uint16_t*>(v_buf.data_ptr()),
-                row_stride, D, reinterpret_cast<uint16_t*>(pack_base) + p.pack);
-    } else if (dtype == at::kBFloat16) {
-      pack_f32(p, k_buf.data_ptr<c10::BFloat16>(), v_buf.data_ptr<c10::BFloat16>(), row_stride, D,
-               reinterpret_cast<float*>(pack_base) + p.pack);
-    } else {
-      pack_f32(p, k_buf.data_ptr<float>(), v_buf.data_ptr<float>(), row_stride, D,
-               reinterpret_cast<float*>(pack_base) + p.pack);
-    }
-  };
+  return out;
+}
 
-  // Tasks, costliest first (a tile's cost: the keys its last query sees).
+// Tasks, costliest first (a tile's cost: the keys its last query sees).
+std::vector<Task> plan_tasks(const std::vector<Part>& parts, int64_t G, int64_t MR) {
   std::vector<Task> tasks;
   for (int64_t i = 0; i < static_cast<int64_t>(parts.size()); ++i) {
     const Part& p = parts[i];
-    const int64_t tiles = (p.nq * sh.G + MR - 1) / MR;
+    const int64_t tiles = (p.nq * G + MR - 1) / MR;
     for (int64_t t0 = 0; t0 < tiles; t0 += kTilesPerTask) {
       const int64_t t1 = std::min(tiles, t0 + kTilesPerTask);
-      const int64_t last_row = std::min(t1 * MR, p.nq * sh.G) - 1;
-      tasks.push_back({i, t0, t1, (t1 - t0) * (p.nk - p.nq + last_row / sh.G + 1)});
+      const int64_t last_row = std::min(t1 * MR, p.nq * G) - 1;
+      tasks.push_back({i, t0, t1, (t1 - t0) * (p.nk - p.nq + last_row / G + 1)});
     }
   }
   std::stable_sort(tasks.begin(), tasks.end(), [](const Task& a, const Task& b) { return a.cost > b.cost; });
+  return tasks;
+}
+
+// The panel buffer of one call (pack_bytes). Up to kKeepPackBytes it is kept for the next
+// call (a fresh one of a few MB, every layer, pays its page faults every time); a larger one
+// is a tensor that `big` holds for the call.
+uint8_t* pack_buffer(int64_t pack_bytes, const at::Tensor& like, at::Tensor& big) {
+  static thread_local std::vector<uint8_t> kept;
+  if (pack_bytes <= kKeepPackBytes) {
+    if (static_cast<int64_t>(kept.size()) < pack_bytes) kept.resize(pack_bytes);
+    return kept.data();
+  }
+  big = at::empty({pack_bytes}, like.options().dtype(at::kByte));  // [bytes]
+  return big.data_ptr<uint8_t>();
+}
+
+// What every task of one call reads and writes.
+struct Call {
+  const at::Tensor& q;
+  const at::Tensor& k_buf;
+  const at::Tensor& v_buf;
+  const at::Tensor& out;
+  Shape sh;
+  bool dots;      // bf16 dot products (else fp32 multiply-adds)
+  uint8_t* pack;  // the pack buffer
+};
+
+void pack_part(const Call& c, const Part& p) {
+  const int64_t D = c.sh.D, row_stride = c.sh.Hkv * D;
+  if (c.dots) {
+    pack_bf16(p, reinterpret_cast<const uint16_t*>(c.k_buf.data_ptr()), reinterpret_cast<const uint16_t*>(c.v_buf.data_ptr()),
+              row_stride, D, reinterpret_cast<uint16_t*>(c.pack) + p.pack);
+  } else if (c.q.scalar_type() == at::kBFloat16) {
+    pack_f32(p, c.k_buf.data_ptr<c10::BFloat16>(), c.v_buf.data_ptr<c10::BFloat16>(), row_stride, D,
+             reinterpret_cast<float*>(c.pack) + p.pack);
+  } else {
+    pack_f32(p, c.k_buf.data_ptr<float>(), c.v_buf.data_ptr<float>(), row_stride, D,
+             reinterpret_cast<float*>(c.pack) + p.pack);
+  }
+}
+
+// A worker's buffers: s [MR, lds] scores, then probabilities; qf / qh [MR, D] the tile's
+// queries (fp32 / bf16 path); ph [MR, lds] bf16 probabilities.
+struct TileScratch {
+  std::vector<float> s, qf;
+  std::vector<uint16_t> qh, ph;
+  int64_t lds;
+};
+
+void run_tile(const Call& c, const Part& p, int64_t tile, TileScratch& t) {
+  const at::Tensor& q = c.q;
+  const at::Tensor& out = c.out;
+  if (c.dots) {
+#ifdef SRT_LITE_PROMPT_BF16_DOT
+    tile_bf16_rows(p.nq * c.sh.G, p, c.sh, reinterpret_cast<const uint16_t*>(c.pack) + p.pack, tile,
+                   reinterpret_cast<const uint16_t*>(q.data_ptr()), q.stride(0), reinterpret_cast<uint16_t*>(out.data_ptr()),
+                   out.stride(0), t.s.data(), t.lds, t.qh.data(), t.ph.data(), t.lds);
+#endif
+  } else if (q.scalar_type() == at::kBFloat16) {
+    tile_f32(p, c.sh, reinterpret_cast<const float*>(c.pack) + p.pack, tile, q.data_ptr<c10::BFloat16>(), q.stride(0),
+             out.data_ptr<c10::BFloat16>(), out.stride(0), t.s.data(), t.lds, t.qf.data());
+  } else {
+    tile_f32(p, c.sh, reinterpret_cast<const float*>(c.pack) + p.pack, tile, q.data_ptr<float>(), q.stride(0),
+             out.data_ptr<float>(), out.stride(0), t.s.data(), t.lds, t.qf.data());
+  }
+}
+
+// One layer's prompt attention. q [>= T, H * D] and out [>= T, H * D] with contiguous rows
+// (rows T.. are left as they are); k_buf, v_buf [N, Hkv, D] the layer's pool, the step's
+// K/V already stored; slots [S] every row's key slots, row after row; q_off, k_off [B + 1]
+// (int64 on the host) where each row's queries and keys start. A row's i-th query is at
+// position nk - nq + i of its keys and sees keys 0 .. that position. bf16_dot: compute a
+// bf16 layer in AVX512-BF16 dot products (the caller asks only where the CPU has them).
+void prompt_attention(const at::Tensor& q, const at::Tensor& k_buf, const at::Tensor& v_buf, const at::Tensor& slots,
+                      const at::Tensor& q_off, const at::Tensor& k_off, int64_t num_heads, double scale, bool bf16_dot,
+                      at::Tensor out) {
+  check_args(q, k_buf, v_buf, slots, q_off, k_off, num_heads, out);
+  const int64_t Hkv = k_buf.size(1), D = k_buf.size(2);
+  const bool dots = bf16_dot && q.scalar_type() == at::kBFloat16;
+  TORCH_CHECK(!dots || bf16_dot_built(), "prompt_attention: no AVX512-BF16 in this CPU or build");
+  const Shape sh{num_heads, Hkv, num_heads / Hkv, D, static_cast<float>(scale)};
+  const int64_t MR = dots ? kBf16Rows : kF32Rows;
+  const Parts parts = plan_parts(slots, q_off, k_off, Hkv, D, dots);
+  at::Tensor big;
+  const Call call{q, k_buf, v_buf, out, sh, dots, pack_buffer(parts.pack_elems * (dots ? 2 : 4), q, big)};
+  const std::vector<Task> tasks = plan_tasks(parts.parts, sh.G, MR);
   // One task per part (decode and short rows): each task packs its own part first, in the
   // same pass; otherwise the parts are packed in a pass of their own before any task reads them.
-  const bool pack_in_task = tasks.size() == parts.size();
+  const bool pack_in_task = tasks.size() == parts.parts.size();
   if (!pack_in_task) {
-    at::parallel_for(0, static_cast<int64_t>(parts.size()), 1, [&](int64_t begin, int64_t end) {
-      for (int64_t i = begin; i < end; ++i) pack_part(parts[i]);
+    at::parallel_for(0, static_cast<int64_t>(parts.parts.size()), 1, [&](int64_t begin, int64_t end) {
+      for (int64_t i = begin; i < end; ++i) pack_part(call, parts.parts[i]);
     });
   }
   std::atomic<int64_t> next{0};
-  const int64_t lds = round_up(max_k, 16) + 16;  // a tile's scores, padded to whole key vectors
+  const int64_t lds = round_up(parts.max_k, 16) + 16;  // a tile's scores, padded to whole key vectors
   const int64_t workers = std::min<int64_t>(at::get_num_threads(), static_cast<int64_t>(tasks.size()));
   at::parallel_for(0, workers, 1, [&](int64_t, int64_t) {
-    std::vector<float> s(MR * lds);           // [MR, lds] scores, then probabilities
-    std::vector<float> qf(MR * D);            // [MR, D] the tile's queries (fp32 path)
-    std::vector<uint16_t> qh(MR * D);         // [MR, D] (bf16 path)
-    std::vector<uint16_t> ph(dots ? MR * lds : 0);  // [MR, lds] bf16 probabilities
+    TileScratch t{std::vector<float>(MR * lds), std::vector<float>(MR * D), std::vector<uint16_t>(MR * D),
+                  std::vector<uint16_t>(dots ? MR * lds : 0), lds};
     for (int64_t i; (i = next.fetch_add(1)) < static_cast<int64_t>(tasks.size());) {
       const Task& task = tasks[i];
-      const Part& p = parts[task.part];
-      if (pack_in_task) pack_part(p);
-      for (int64_t tile = task.t0; tile < task.t1; ++tile) {
-        if (dots) {
-#ifdef SRT_LITE_PROMPT_BF16_DOT
-          tile_bf16_rows(p.nq * sh.G, p, sh, reinterpret_cast<const uint16_t*>(pack_base) + p.pack, tile,
-                    reinterpret_cast<const uint16_t*>(q.data_ptr()), q.stride(0), reinterpret_cast<uint16_t*>(out.data_ptr()),
-                    out.stride(0), s.data(), lds, qh.data(), ph.data(), lds);
-#endif
-        } else if (dtype == at::kBFloat16) {
-          tile_f32(p, sh, reinterpret_cast<const float*>(pack_base) + p.pack, tile,
-                   q.data_ptr<c10::BFloat16>(), q.stride(0), out.data_ptr<c10::BFloat16>(), out.stride(0), s.data(), lds,
-                   qf.data());
-        } else {
-          tile_f32(p, sh, reinterpret_cast<const float*>(pack_base) + p.pack, tile, q.data_ptr<float>(),
-                   q.stride(0), out.data_ptr<float>(), out.stride(0), s.data(), lds, qf.data());
-        }
-      }
+      const Part& p = parts.parts[task.part];
+      if (pack_in_task) pack_part(call, p);
+      for (int64_t tile = task.t0; tile < task.t1; ++tile) run_tile(call, p, tile, t);
     }
   });
 }
