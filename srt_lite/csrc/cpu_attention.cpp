@@ -20,7 +20,7 @@
 
 #include <algorithm>
 #include <cstring>
-#include <mutex>
+#include <optional>
 #include <vector>
 
 #include "cpu_attention_common.h"
@@ -362,37 +362,6 @@ void cascade_attention(
   });
 }
 
-// oneDNN-packed weights by key (PackableLinear.pack_for_cpu), held weakly: the layer owns
-// its weight, so a dropped model is freed. The compiled graph names a weight by its key,
-// as an opaque packed tensor cannot be a graph input.
-std::mutex packed_mutex;
-std::vector<c10::weak_intrusive_ptr<c10::TensorImpl>> packed_weights;
-
-int64_t register_packed_weight(const at::Tensor& weight) {
-  std::lock_guard<std::mutex> lock(packed_mutex);
-  packed_weights.emplace_back(weight.getIntrusivePtr());
-  return static_cast<int64_t>(packed_weights.size()) - 1;
-}
-
-// x [n, in] -> [n, out] through the packed weight `key`: the product torch.compile's graph
-// calls in every linear layer (4 per decoder layer). From the graph's C++ wrapper this is a
-// dispatcher call with no Python, whose per-call cost would add up over every linear.
-at::Tensor packed_linear(const at::Tensor& x, const std::optional<at::Tensor>& bias, int64_t key) {
-  c10::intrusive_ptr<c10::TensorImpl> impl;
-  {
-    std::lock_guard<std::mutex> lock(packed_mutex);
-    TORCH_CHECK(key >= 0 && key < static_cast<int64_t>(packed_weights.size()), "no packed weight ", key);
-    impl = packed_weights[key].lock();
-  }
-  TORCH_CHECK(impl, "packed weight ", key, " was freed");
-  static const c10::OperatorHandle op = c10::Dispatcher::singleton().findSchemaOrThrow("mkldnn::_linear_pointwise", "");
-  std::vector<c10::IValue> stack{
-      x, at::Tensor(std::move(impl)), bias, std::string("none"), c10::List<std::optional<at::Scalar>>(),
-      std::string("")};
-  op.callBoxed(&stack);
-  return stack[0].toTensor();
-}
-
 // The compiled graph's attention (`srt_lite_cpu::attention`): a step whose attention is one
 // token cascade (set_cascade_step, before the forward) runs in C++ without any Python; every
 // other step goes to the Python op `srt_lite::attention` through the dispatcher.
@@ -445,8 +414,6 @@ TORCH_LIBRARY(srt_lite_cpu, m) {
       "Tensor prefix_index, int num_heads, float scale, Tensor[] k_bufs, Tensor[] v_bufs) -> ()");
   m.def("clear_cascade_step() -> ()");
   m.def("attention(Tensor q, Tensor k, Tensor v, int layer_id) -> Tensor");
-  m.def("register_packed_weight(Tensor weight) -> int");
-  m.def("packed_linear(Tensor x, Tensor? bias, int key) -> Tensor");
   m.def(
       "cascade_attention(Tensor q, Tensor k, Tensor v, Tensor(a!) k_buf, Tensor(b!) v_buf, Tensor loc, "
       "Tensor suffix_index, Tensor q_off, Tensor k_off, int prefix_start, int prefix_len, Tensor prefix_index, int num_heads, "
@@ -455,13 +422,11 @@ TORCH_LIBRARY(srt_lite_cpu, m) {
 
 TORCH_LIBRARY_IMPL(srt_lite_cpu, CPU, m) {
   m.impl("cascade_attention", &cascade_attention);
-  m.impl("packed_linear", &packed_linear);
   m.impl("set_cascade_step", &set_cascade_step);
   m.impl("attention", &attention);
 }
 
 // Takes no tensor that picks a backend by device.
 TORCH_LIBRARY_IMPL(srt_lite_cpu, CompositeExplicitAutograd, m) {
-  m.impl("register_packed_weight", &register_packed_weight);
   m.impl("clear_cascade_step", &clear_cascade_step);
 }

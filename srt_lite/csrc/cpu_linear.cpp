@@ -9,9 +9,12 @@
 //   weight is read from memory once, at 2 bytes an element;
 // - many rows (prefill): chunks of the weight are widened into an fp32 buffer and the fp32
 //   matmul runs on them; the widening is small next to the product's arithmetic.
-// Built with cpu_attention.cpp into one extension by srt_lite/cpu_kernels.py.
+// Where oneDNN does take the weights, packed_linear is the compiled graph's way to its
+// packed product (oneDNN's own layout, packed once by PackableLinear.pack_for_cpu).
+// Built with the other sources into one extension by srt_lite/cpu_kernels.py.
 #include <ATen/ATen.h>
 #include <ATen/Parallel.h>
+#include <ATen/core/dispatch/Dispatcher.h>
 #include <ATen/cpu/vec/functional.h>
 #include <ATen/cpu/vec/vec.h>
 #if defined(__x86_64__)
@@ -22,6 +25,9 @@
 #include <algorithm>
 #include <cstdint>
 #include <cstring>
+#include <mutex>
+#include <optional>
+#include <string>
 #include <type_traits>
 #include <vector>
 
@@ -614,6 +620,38 @@ at::Tensor f32_panel_linear(const at::Tensor& x, const at::Tensor& weight, const
   }
   return out;
 }
+
+// oneDNN-packed weights by key (PackableLinear.pack_for_cpu), held weakly: the layer owns
+// its weight, so a dropped model is freed. The compiled graph names a weight by its key,
+// as an opaque packed tensor cannot be a graph input.
+std::mutex packed_mutex;
+std::vector<c10::weak_intrusive_ptr<c10::TensorImpl>> packed_weights;
+
+int64_t register_packed_weight(const at::Tensor& weight) {
+  std::lock_guard<std::mutex> lock(packed_mutex);
+  packed_weights.emplace_back(weight.getIntrusivePtr());
+  return static_cast<int64_t>(packed_weights.size()) - 1;
+}
+
+// x [n, in] -> [n, out] through the packed weight `key`: the product torch.compile's graph
+// calls in every linear layer (4 per decoder layer). From the graph's C++ wrapper this is a
+// dispatcher call with no Python, whose per-call cost would add up over every linear.
+at::Tensor packed_linear(const at::Tensor& x, const std::optional<at::Tensor>& bias, int64_t key) {
+  c10::intrusive_ptr<c10::TensorImpl> impl;
+  {
+    std::lock_guard<std::mutex> lock(packed_mutex);
+    TORCH_CHECK(key >= 0 && key < static_cast<int64_t>(packed_weights.size()), "no packed weight ", key);
+    impl = packed_weights[key].lock();
+  }
+  TORCH_CHECK(impl, "packed weight ", key, " was freed");
+  static const c10::OperatorHandle op = c10::Dispatcher::singleton().findSchemaOrThrow("mkldnn::_linear_pointwise", "");
+  std::vector<c10::IValue> stack{
+      x, at::Tensor(std::move(impl)), bias, std::string("none"), c10::List<std::optional<at::Scalar>>(),
+      std::string("")};
+  op.callBoxed(&stack);
+  return stack[0].toTensor();
+}
+
 }  // namespace
 
 TORCH_LIBRARY_FRAGMENT(srt_lite_cpu, m) {
@@ -623,6 +661,8 @@ TORCH_LIBRARY_FRAGMENT(srt_lite_cpu, m) {
   m.def("panel_linear(Tensor x, Tensor weight, Tensor? bias, int N) -> Tensor");
   m.def("f32_panel_linear(Tensor x, Tensor weight, Tensor? bias, int N) -> Tensor");
   m.def("set_batch_invariant(bool on) -> ()");
+  m.def("register_packed_weight(Tensor weight) -> int");
+  m.def("packed_linear(Tensor x, Tensor? bias, int key) -> Tensor");
 }
 
 TORCH_LIBRARY_IMPL(srt_lite_cpu, CPU, m) {
@@ -630,9 +670,11 @@ TORCH_LIBRARY_IMPL(srt_lite_cpu, CPU, m) {
   m.impl("bf16_gemv", &bf16_gemv);
   m.impl("panel_linear", &panel_linear);
   m.impl("f32_panel_linear", &f32_panel_linear);
+  m.impl("packed_linear", &packed_linear);
 }
 
 TORCH_LIBRARY_IMPL(srt_lite_cpu, CompositeExplicitAutograd, m) {
   m.impl("bf16_gemv_supported", &bf16_dot_supported);
   m.impl("set_batch_invariant", &set_batch_invariant);
+  m.impl("register_packed_weight", &register_packed_weight);
 }
