@@ -21,6 +21,7 @@
 #include <algorithm>
 #include <cstring>
 #include <optional>
+#include <utility>
 #include <vector>
 
 #include "cpu_attention_common.h"
@@ -363,16 +364,44 @@ void cascade_attention(
 }
 
 // The compiled graph's attention (`srt_lite_cpu::attention`): a step whose attention is one
-// token cascade (set_cascade_step, before the forward) runs in C++ without any Python; every
-// other step goes to the Python op `srt_lite::attention` through the dispatcher.
-// The graph's op gets only (q, k, v, layer id), so the step's metadata waits here, set once per step.
+// token cascade runs in C++ without any Python; every other step goes to the Python op
+// `srt_lite::attention` through the dispatcher.
+//
+// The step's metadata cannot reach the op as arguments: the graph was traced once with the
+// op's signature (q, k, v, layer id), and rows, offsets and the prefix change every step.
+// So the step is set here before the forward (set_cascade_step, from CppCascadePlan's
+// compiled_step) and cleared after it, as the Python op reads its batch from
+// layers/radix_attention.py's forward context. It is one per thread, the thread that runs
+// the forward: the graph calls the op on the thread that called the graph.
 struct CascadeStep {
   at::Tensor loc, suffix_index, q_off, k_off, prefix_index;
   int64_t prefix_start = -1, prefix_len = 0, num_heads = 0;
   double scale = 1.0;
   std::vector<at::Tensor> k_bufs, v_bufs;  // by layer id
 };
-std::optional<CascadeStep> cascade_step;
+
+// The step being run, if any: set once before a forward, cleared after it.
+class CurrentCascadeStep {
+ public:
+  void set(CascadeStep step) {
+    TORCH_CHECK(!step_, "set_cascade_step: the previous step was not cleared");
+    step_ = std::move(step);
+  }
+  void clear() { step_.reset(); }
+  bool is_set() const { return step_.has_value(); }
+  const CascadeStep& get() const {
+    TORCH_CHECK(step_, "srt_lite_cpu::attention: no cascade step is set");
+    return *step_;
+  }
+
+ private:
+  std::optional<CascadeStep> step_;
+};
+
+CurrentCascadeStep& current_cascade_step() {
+  static thread_local CurrentCascadeStep current;
+  return current;
+}
 
 void set_cascade_step(
     const at::Tensor& loc, const at::Tensor& suffix_index, const at::Tensor& q_off, const at::Tensor& k_off,
@@ -380,20 +409,21 @@ void set_cascade_step(
     int64_t prefix_len, const at::Tensor& prefix_index, int64_t num_heads, double scale, at::TensorList k_bufs,
     at::TensorList v_bufs) {
   TORCH_CHECK(k_bufs.size() == v_bufs.size(), "one V buffer per K buffer");
-  cascade_step = CascadeStep{
-      loc, suffix_index, q_off, k_off, prefix_index, prefix_start, prefix_len, num_heads, scale, k_bufs.vec(), v_bufs.vec()};
+  current_cascade_step().set(CascadeStep{
+      loc, suffix_index, q_off, k_off, prefix_index, prefix_start, prefix_len, num_heads, scale, k_bufs.vec(), v_bufs.vec()});
 }
 
-void clear_cascade_step() { cascade_step.reset(); }
+void clear_cascade_step() { current_cascade_step().clear(); }
 
 at::Tensor attention(const at::Tensor& q, const at::Tensor& k, const at::Tensor& v, int64_t layer_id) {
-  if (!cascade_step) {
+  const CurrentCascadeStep& current = current_cascade_step();
+  if (!current.is_set()) {
     static const c10::OperatorHandle fallback = c10::Dispatcher::singleton().findSchemaOrThrow("srt_lite::attention", "");
     std::vector<c10::IValue> stack{q, k, v, layer_id};
     fallback.callBoxed(&stack);
     return stack[0].toTensor();
   }
-  const CascadeStep& st = *cascade_step;
+  const CascadeStep& st = current.get();
   TORCH_CHECK(layer_id >= 0 && layer_id < static_cast<int64_t>(st.k_bufs.size()), "no KV buffer for layer ", layer_id);
   const int64_t T = st.loc.size(0);
   at::Tensor out = at::empty({q.size(0), q.size(1)}, q.options());  // rows past T pad the token axis

@@ -136,6 +136,36 @@ def test_a_freed_weight_or_unknown_key_raises_instead_of_crashing():
         torch.ops.srt_lite_cpu.packed_linear(x, None, 10**6)
 
 
+def test_cascade_step_is_set_once_per_forward_and_belongs_to_its_thread():
+    """The compiled graph's attention op finds its step where set_cascade_step left it. A step
+    set over one not cleared is refused (it would attend the wrong rows), and another
+    thread's forward does not see it."""
+    import threading
+
+    ids = torch.zeros(1, dtype=torch.int64)
+    offsets = torch.tensor([0, 1], dtype=torch.int64)
+    step = (ids, ids, offsets, offsets, 0, 0, ids, 1, 1.0, [], [])
+    torch.ops.srt_lite_cpu.set_cascade_step(*step)
+    try:
+        with pytest.raises(RuntimeError, match="not cleared"):
+            torch.ops.srt_lite_cpu.set_cascade_step(*step)
+        elsewhere = []  # another thread sets its own step while this one is set
+
+        def other_forward():
+            torch.ops.srt_lite_cpu.set_cascade_step(*step)
+            torch.ops.srt_lite_cpu.clear_cascade_step()
+            elsewhere.append(True)
+
+        thread = threading.Thread(target=other_forward)
+        thread.start()
+        thread.join()
+        assert elsewhere == [True]
+    finally:
+        torch.ops.srt_lite_cpu.clear_cascade_step()
+    torch.ops.srt_lite_cpu.set_cascade_step(*step)
+    torch.ops.srt_lite_cpu.clear_cascade_step()
+
+
 @pytest.mark.parametrize("x_dtype", [torch.bfloat16, torch.float32])
 def test_bf16_linear_matches_the_fp32_product(x_dtype):
     """Both of its strategies (weight-streaming kernel up to `rows` rows, widened fp32 matmul
