@@ -58,7 +58,7 @@ class Cursor:
 class StateEnum(enum.Enum):
     """Base of the states that key the lexer's and framers' dispatch tables. Enum hashes a
     member by its name in Python code, a cost paid on every handler lookup, i.e. several
-    times per streamed delta; members are singletons, so identity hashing is equivalent."""
+    times per streamed delta; members are singletons, so identity hashing gives the same table."""
 
     __hash__ = object.__hash__
 
