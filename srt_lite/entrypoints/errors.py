@@ -3,6 +3,7 @@ the body builder, the HTTP layer's own exceptions, and the app's exception handl
 
 from __future__ import annotations
 
+from dataclasses import dataclass
 from http import HTTPStatus
 from typing import Any
 
@@ -46,40 +47,51 @@ def stream_error(message: str) -> dict:
     return {"error": {"message": message, "type": "BadRequestError", "param": None, "code": 400}}
 
 
-async def on_request_error(request: Request, exc: RequestError) -> Response:
-    return error_response(str(exc), 400)
+@dataclass(frozen=True)
+class ErrorKind:
+    """How one kind of failure is answered: its HTTP status, its error type in OpenAI's body
+    (None: named after the status) and in Anthropic's, and OpenAI's `code` (None: the status)."""
+
+    status: int
+    openai_type: str | None
+    anthropic_type: str
+    code: str | None = None
 
 
-async def on_validation_error(request: Request, exc: ValidationError) -> Response:
-    """A body that does not fit the OpenAI request schema: the first problem, by field."""
-    first = exc.errors()[0]
-    param = ".".join(str(x) for x in first.get("loc", ()) if x != "body") or None
-    return error_response(f"{param}: {first.get('msg')}" if param else str(first.get("msg")), 400, param=param)
+# The one table of the failures a request can meet, for every API's error shape.
+ERROR_KINDS: dict[type[Exception], ErrorKind] = {
+    RequestError: ErrorKind(400, None, "invalid_request_error"),
+    ValidationError: ErrorKind(400, None, "invalid_request_error"),
+    ModelNotFound: ErrorKind(404, "invalid_request_error", "not_found_error", "model_not_found"),
+    NotFound: ErrorKind(404, "invalid_request_error", "not_found_error", "not_found"),
+    PayloadTooLarge: ErrorKind(413, "invalid_request_error", "request_too_large"),
+    Overloaded: ErrorKind(503, "service_unavailable", "overloaded_error"),
+}
 
 
-async def on_model_not_found(request: Request, exc: ModelNotFound) -> Response:
-    return error_response(str(exc), 404, "invalid_request_error", "model", "model_not_found")
+def describe(exc: Exception) -> tuple[ErrorKind, str, str | None]:
+    """(kind, message, param) of a failure in ERROR_KINDS; a body that does not fit the request
+    schema is described by its first problem, by field."""
+    kind = next(k for cls, k in ERROR_KINDS.items() if isinstance(exc, cls))
+    if isinstance(exc, ValidationError):
+        first = exc.errors()[0]
+        param = ".".join(str(x) for x in first.get("loc", ()) if x != "body") or None
+        return kind, f"{param}: {first.get('msg')}" if param else str(first.get("msg")), param
+    if isinstance(exc, ModelNotFound):
+        return kind, str(exc), "model"
+    return kind, str(exc), exc.param if isinstance(exc, NotFound) else None
 
 
-async def on_not_found(request: Request, exc: NotFound) -> Response:
-    return error_response(str(exc), 404, "invalid_request_error", exc.param, "not_found")
-
-
-async def on_too_large(request: Request, exc: PayloadTooLarge) -> Response:
-    return error_response(str(exc), 413, "invalid_request_error")
-
-
-async def on_overloaded(request: Request, exc: Overloaded) -> Response:
-    response = error_response(str(exc), 503, "service_unavailable")
-    response.headers["Retry-After"] = "1"
+def with_retry_after(response: Response, kind: ErrorKind) -> Response:
+    if kind.status == 503:
+        response.headers["Retry-After"] = "1"
     return response
 
 
-EXCEPTION_HANDLERS = {
-    RequestError: on_request_error,
-    ValidationError: on_validation_error,
-    ModelNotFound: on_model_not_found,
-    NotFound: on_not_found,
-    PayloadTooLarge: on_too_large,
-    Overloaded: on_overloaded,
-}
+async def on_error(request: Request, exc: Exception) -> Response:
+    """The app's handler of every failure in ERROR_KINDS, in OpenAI's error body."""
+    kind, message, param = describe(exc)
+    return with_retry_after(error_response(message, kind.status, kind.openai_type, param, kind.code), kind)
+
+
+EXCEPTION_HANDLERS = {cls: on_error for cls in ERROR_KINDS}

@@ -13,19 +13,16 @@ import uuid
 from functools import wraps
 from typing import TYPE_CHECKING, Any, AsyncIterator, Awaitable, Callable
 
-from pydantic import ValidationError
 from starlette.requests import Request
 from starlette.responses import JSONResponse, Response
 
 from srt_lite.entrypoints.anthropic.protocol import CountTokensRequest, MessagesRequest, to_chat
-from srt_lite.entrypoints.errors import ModelNotFound, NotFound, PayloadTooLarge
+from srt_lite.entrypoints.errors import ERROR_KINDS, describe, with_retry_after
 from srt_lite.entrypoints.http_io import anext_or_none, json_response, read_json, sse_event
 from srt_lite.entrypoints.openai.chat_output import ChoiceOutput
 from srt_lite.entrypoints.openai.serving_base import abort_error, collect_one, finish_reason
 from srt_lite.entrypoints.openai.serving_chat import ChatRun, OpenAIServingChat
 from srt_lite.entrypoints.openai.tools import plan_tools
-from srt_lite.managers.tokenizer.tokenizer_manager import Overloaded
-from srt_lite.managers.validation import RequestError
 
 if TYPE_CHECKING:
     from srt_lite.entrypoints.server_state import ServerState
@@ -42,20 +39,9 @@ def anthropic_errors(handler: Callable[[Request], Awaitable[Response]]) -> Calla
     async def wrapped(request: Request) -> Response:
         try:
             return await handler(request)
-        except RequestError as e:
-            return error_response(str(e), 400, "invalid_request_error")
-        except ValidationError as e:
-            first = e.errors()[0]
-            where = ".".join(str(x) for x in first.get("loc", ()))
-            return error_response(f"{where}: {first.get('msg')}" if where else str(first.get("msg")), 400, "invalid_request_error")
-        except (ModelNotFound, NotFound) as e:
-            return error_response(str(e), 404, "not_found_error")
-        except PayloadTooLarge as e:
-            return error_response(str(e), 413, "request_too_large")
-        except Overloaded as e:
-            response = error_response(str(e), 503, "overloaded_error")
-            response.headers["Retry-After"] = "1"
-            return response
+        except tuple(ERROR_KINDS) as e:
+            kind, message, _ = describe(e)
+            return with_retry_after(error_response(message, kind.status, kind.anthropic_type), kind)
 
     return wrapped
 
