@@ -61,7 +61,9 @@ def _build() -> bool:
 
         _ninja_on_path()
         level = cpu_caps.get().level
-        build_dir = os.path.join(cache_root(), "torch_extensions", f"cpu_ops-torch{torch.__version__}-{level}")
+        # One folder per build (torch, CPU level, sources and their place): two installs of
+        # srt_lite on one machine each keep their own copy instead of rebuilding each other's.
+        build_dir = os.path.join(cache_root(), "torch_extensions", f"cpu_ops-{build_tag()}")
         os.makedirs(build_dir, exist_ok=True)
         # -ffp-contract=off: the elementwise ops round each product as the torch ops they
         # replace do; a fused multiply-add would skip a rounding (the vector kernels call
@@ -92,10 +94,11 @@ def bf16_dots_available() -> bool:
 
 
 def build_tag() -> str:
-    """Names this build of the ops: torch version, CPU level and a hash of the sources."""
+    """Names this build of the ops: torch version, CPU level and a hash of the sources and
+    their folder."""
     import hashlib
 
-    digest = hashlib.sha256()
+    digest = hashlib.sha256(_CSRC.encode())
     for path in SOURCES + HEADERS:
         with open(path, "rb") as f:
             digest.update(f.read())

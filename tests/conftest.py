@@ -51,6 +51,17 @@ def engine():
     eng.shutdown()
 
 
+@pytest.fixture(scope="session")
+def shared_server():
+    """One fp32 default-model server (openai_helpers.default_server) for the modules that only
+    send it requests and check what comes back; each of them used to start its own. Its
+    Responses store keeps 8 entries, so that test_openai_responses can see the bound."""
+    from openai_helpers import default_server
+
+    with default_server("--response-store-max-entries", "8") as s:
+        yield s
+
+
 @pytest.fixture(autouse=True)
 def kv_invariant_after_test(request):
     """After every test that used the shared engine: no request holds KV and

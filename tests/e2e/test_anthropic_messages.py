@@ -12,7 +12,7 @@ import httpx
 import jsonschema
 import pytest
 
-from openai_helpers import MODEL, assert_kv_idle, default_server, load
+from openai_helpers import MODEL, assert_kv_idle, load
 
 GREEDY = {"temperature": 0}
 QUESTION = [{"role": "user", "content": "What is the capital of France?"}]
@@ -23,9 +23,8 @@ WEATHER = {
 
 
 @pytest.fixture(scope="module")
-def server():
-    with default_server() as s:
-        yield s
+def server(shared_server):
+    return shared_server
 
 
 @pytest.fixture(scope="module")

@@ -149,15 +149,29 @@ def test_readme_and_benchmarks_doc_have_commands():
     assert {p.name for p in DOCS} >= {"README.md", "benchmarks.md"}
 
 
+@pytest.fixture(scope="module")
+def serve_server():
+    """`make serve`'s server (with metrics on, for the /metrics block), started when a page
+    first talks to it and shared by the pages: it only answers their requests."""
+    started: list[ServerProcess] = []
+
+    def get() -> ServerProcess:
+        if not started:
+            started.append(ServerProcess("--enable-metrics", "--max-total-tokens", "8192").__enter__())
+        return started[0]
+
+    yield get
+    for s in started:
+        s.__exit__(None, None, None)
+
+
 @pytest.mark.parametrize("doc", DOCS, ids=lambda p: p.name)
-def test_doc_commands(doc: Path, tmp_path, reasoner):
+def test_doc_commands(doc: Path, tmp_path, reasoner, serve_server):
     blocks = code_blocks(doc)
-    servers: list[ServerProcess] = []
+    servers: list[ServerProcess] = []  # the ones this page launches
 
     def server() -> ServerProcess:
-        if not servers:
-            servers.append(ServerProcess("--enable-metrics", "--max-total-tokens", "8192").__enter__())
-        return servers[-1]
+        return servers[-1] if servers else serve_server()
 
     def local(text: str) -> str:
         text = text.replace(PLACEHOLDER_MODEL, reasoner).replace(PLACEHOLDER_1B, str(tmp_path / "llama-1b-shape"))

@@ -15,7 +15,7 @@ import torch
 import torch.nn.functional as F
 from transformers import AutoModel, AutoTokenizer, Qwen3Config
 
-from openai_helpers import MODEL, assert_kv_idle, client_for, default_server
+from openai_helpers import MODEL, assert_kv_idle, client_for
 from server_utils import ServerProcess
 from srt_lite.model_loader.default_model import resolve_model_path
 
@@ -49,9 +49,8 @@ def vectors(server, body: dict) -> list[torch.Tensor]:
 
 
 @pytest.fixture(scope="module")
-def server():
-    with default_server() as s:
-        yield s
+def server(shared_server):
+    return shared_server
 
 
 def test_last_token_pooling_matches_transformers(server, tokenizer, base_model):

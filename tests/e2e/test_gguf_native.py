@@ -190,13 +190,26 @@ def _runner(path: str, dtype: str, quantization: str | None = None) -> ModelRunn
     return ModelRunner(ModelConfig.load(path), args)
 
 
-def _reference_logits(path: str, ids: list[int]) -> torch.Tensor:
+def _reference_logits(path: str, ids: list[int], cache: pytest.Cache) -> torch.Tensor:
+    """transformers' logits for `ids` on the file's dequantized weights. Kept in pytest's cache
+    under a hash of the file, the ids and transformers' version: most of their time is
+    transformers parsing the file's 49k-token vocabulary, and `make test`'s AVX2 leg asks again."""
+    import hashlib
+
+    import transformers
     from transformers import AutoModelForCausalLM
 
+    with open(path, "rb") as f:
+        digest = hashlib.sha256(f.read() + repr((ids, transformers.__version__)).encode()).hexdigest()[:24]
+    saved = cache.mkdir("gguf_reference_logits") / f"{digest}.pt"
+    if saved.exists():
+        return torch.load(saved)
     model = AutoModelForCausalLM.from_pretrained(os.path.dirname(path), gguf_file=os.path.basename(path),
                                                  dtype=torch.float32)
     with torch.no_grad():
-        return model(torch.tensor([ids])).logits[0].float()
+        logits = model(torch.tensor([ids])).logits[0].float()
+    torch.save(logits, saved)
+    return logits
 
 
 def _decode_logits(runner: ModelRunner, ids: list[int]) -> torch.Tensor:
@@ -218,13 +231,13 @@ def _compare(got: torch.Tensor, want: torch.Tensor) -> tuple[float, float, float
 
 @pytest.mark.parametrize("key", [("Q4_K_M", "llama"), ("Q5_K_M", "llama"), ("Q6_K", "qwen2"), ("Q8_0", "qwen3"),
                                  ("legacy", "llama")])
-def test_tiny_model_matches_transformers(files, key):
+def test_tiny_model_matches_transformers(files, key, request):
     """The file loads with no float copy of a quantized weight; its logits match transformers'
     dequantized model: exactly loaded (--quantization none), prompts through dequantized
     slabs, and decode steps through the int8 dot products (fp32 and bf16)."""
     path = files[key]
     ids = torch.randint(0, 49152, (DOT_ROWS + 24,), generator=torch.Generator().manual_seed(4)).tolist()
-    want = _reference_logits(path, ids)
+    want = _reference_logits(path, ids, request.config.cache)
     runner = _runner(path, "float32")
     kept = [m for m in runner.model.modules() if getattr(m, "gguf", None) is not None]
     linears = [m for m in runner.model.modules() if isinstance(m, PackableLinear)]
@@ -276,6 +289,13 @@ def test_default_model_file_greedy_text(tokenizer):
     assert greedy(native, prompt, 16) == greedy(plain, prompt, 16)
 
 
+def write_and_close(w) -> None:
+    w.write_header_to_file()
+    w.write_kv_data_to_file()
+    w.write_tensors_to_file()
+    w.close()
+
+
 def test_unsupported_files_fail_in_one_line(tmp_path):
     from gguf import GGUFWriter
 
@@ -283,14 +303,14 @@ def test_unsupported_files_fail_in_one_line(tmp_path):
     w = GGUFWriter(str(bad_arch), "mamba")
     w.add_block_count(1)
     w.add_tensor("token_embd.weight", torch.zeros(4, 32).numpy())
-    w.write_header_to_file(); w.write_kv_data_to_file(); w.write_tensors_to_file(); w.close()
+    write_and_close(w)
     with pytest.raises(ModelPathError, match="architecture 'mamba' is not supported"):
         ModelConfig.load(str(bad_arch))
     bad_type = tmp_path / "bad-type.gguf"
     w = GGUFWriter(str(bad_type), "llama")
     w.add_tensor("blk.0.attn_q.weight", torch.zeros(4, 84, dtype=torch.uint8).numpy(),
                  raw_dtype=GGMLQuantizationType.Q2_K)
-    w.write_header_to_file(); w.write_kv_data_to_file(); w.write_tensors_to_file(); w.close()
+    write_and_close(w)
     with pytest.raises(GGUFError, match=r"tensor type Q2_K \(tensor blk.0.attn_q.weight\) is not supported"):
         GGUFFile(str(bad_type))
     truncated = tmp_path / "truncated.gguf"

@@ -12,7 +12,7 @@ import jsonschema
 import openai
 import pytest
 
-from openai_helpers import MODEL, assert_kv_idle, client_for, default_server
+from openai_helpers import MODEL, assert_kv_idle, client_for
 from srt_lite.entrypoints.openai.response_store import ResponseStore, StoredResponse
 
 WEATHER = {
@@ -27,9 +27,8 @@ PERSON = {
 
 
 @pytest.fixture(scope="module")
-def server():
-    with default_server("--response-store-max-entries", "8") as s:
-        yield s
+def server(shared_server):
+    return shared_server
 
 
 @pytest.fixture(scope="module")

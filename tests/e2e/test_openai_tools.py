@@ -11,7 +11,7 @@ import json
 import jsonschema
 import pytest
 
-from openai_helpers import MODEL, assert_kv_idle, client_for, default_server, post_error
+from openai_helpers import MODEL, assert_kv_idle, client_for, post_error
 from server_utils import ServerProcess
 from tool_call_model import FINAL_REPLY, TOOL_CALL_REPLY, after_tool_messages, make_tool_call_model, question_messages
 from tool_call_model import TOOLS as TINY_TOOLS
@@ -32,9 +32,8 @@ NAMED = {"type": "function", "function": {"name": "get_weather"}}
 
 
 @pytest.fixture(scope="module")
-def server():
-    with default_server() as s:
-        yield s
+def server(shared_server):
+    return shared_server
 
 
 @pytest.fixture(scope="module")

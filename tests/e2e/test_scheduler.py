@@ -36,21 +36,27 @@ def test_outputs_unchanged_under_pressure(kwargs, reference):
             assert all(o["meta_info"]["cached_tokens"] == 0 for o in again)
 
 
-def test_prompt_larger_than_kv_is_rejected_not_queued():
+@pytest.fixture(scope="module")
+def small_kv():
+    """An engine whose whole KV cache is 64 tokens, shared by the tests that leave it idle."""
     with Engine(dtype="float32", log_level="warning", max_total_tokens=64) as eng:
-        out = eng.generate(input_ids=list(range(10, 110)), sampling_params={"max_new_tokens": 4})
-        assert out["meta_info"]["finish_reason"]["type"] == "abort"
-        assert "KV cache" in out["meta_info"]["finish_reason"]["message"]
-        ok = eng.generate("Hi", {"max_new_tokens": 4, "temperature": 0})
-        assert ok["meta_info"]["finish_reason"]["type"] == "length"
-        assert wait_idle(eng).invariant_ok
+        yield eng
 
 
-def test_single_request_longer_than_kv_ends_with_length():
-    with Engine(dtype="float32", log_level="warning", max_total_tokens=64) as eng:
-        out = eng.generate("Hello", {"max_new_tokens": 500, "ignore_eos": True, "temperature": 0})
-        fr = out["meta_info"]["finish_reason"]
-        assert fr["type"] == "length"
-        # The prompt plus what it generated fills the cache (the last token needs no KV).
-        assert out["meta_info"]["prompt_tokens"] + out["meta_info"]["completion_tokens"] == 64 + 1
-        assert wait_idle(eng).invariant_ok
+def test_prompt_larger_than_kv_is_rejected_not_queued(small_kv):
+    out = small_kv.generate(input_ids=list(range(10, 110)), sampling_params={"max_new_tokens": 4})
+    assert out["meta_info"]["finish_reason"]["type"] == "abort"
+    assert "KV cache" in out["meta_info"]["finish_reason"]["message"]
+    ok = small_kv.generate("Hi", {"max_new_tokens": 4, "temperature": 0})
+    assert ok["meta_info"]["finish_reason"]["type"] == "length"
+    assert wait_idle(small_kv).invariant_ok
+
+
+def test_single_request_longer_than_kv_ends_with_length(small_kv):
+    assert small_kv.flush_cache()  # the whole cache free, whatever the test before kept
+    out = small_kv.generate("Hello", {"max_new_tokens": 500, "ignore_eos": True, "temperature": 0})
+    fr = out["meta_info"]["finish_reason"]
+    assert fr["type"] == "length"
+    # The prompt plus what it generated fills the cache (the last token needs no KV).
+    assert out["meta_info"]["prompt_tokens"] + out["meta_info"]["completion_tokens"] == 64 + 1
+    assert wait_idle(small_kv).invariant_ok

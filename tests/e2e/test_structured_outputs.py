@@ -10,7 +10,7 @@ import jsonschema
 import pytest
 from pydantic import BaseModel, Field
 
-from openai_helpers import MODEL, assert_kv_idle, client_for, default_server, post_error
+from openai_helpers import MODEL, assert_kv_idle, client_for, post_error
 
 PERSON = {
     "type": "object",
@@ -26,9 +26,8 @@ ASK = [{"role": "user", "content": "Describe a person as JSON with a name and an
 
 
 @pytest.fixture(scope="module")
-def server():
-    with default_server() as s:
-        yield s
+def server(shared_server):
+    return shared_server
 
 
 @pytest.fixture(scope="module")

@@ -7,16 +7,15 @@ import httpx
 import pytest
 from transformers import AutoTokenizer
 
-from openai_helpers import MODEL, client_for, default_server
+from openai_helpers import MODEL, client_for
 from srt_lite.model_loader.default_model import resolve_model_path
 
 TEXTS = ["The capital of France is", "héllo wörld — 你好 🙂", "  two  spaces\nand a newline", ""]
 
 
 @pytest.fixture(scope="module")
-def server():
-    with default_server() as s:
-        yield s
+def server(shared_server):
+    return shared_server
 
 
 def post(server, path: str, body: dict) -> httpx.Response:

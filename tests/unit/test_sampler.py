@@ -194,7 +194,7 @@ def test_seeded_rows_do_not_depend_on_batch_neighbours():
         r.generator = torch.Generator().manual_seed(1234)
         return r
 
-    alone = [Sampler(0, "cpu")(logits[:1], SamplingBatchInfo.from_reqs([r := seeded_req()], V, "cpu", set())).next_ids.item()]
+    alone = [Sampler(0, "cpu")(logits[:1], SamplingBatchInfo.from_reqs([seeded_req()], V, "cpu", set())).next_ids.item()]
     r2 = seeded_req()
     batch = [r2, make_req(1, temperature=1.0), make_req(2, temperature=0.7), make_req(3, temperature=1.0)]
     info = SamplingBatchInfo.from_reqs(batch, V, "cpu", set())
