@@ -123,10 +123,34 @@ void pack_v_pairs(const Part& p, const uint16_t* vb, int64_t row_stride, int64_t
   }
 }
 
-void pack_bf16(const Part& p, const uint16_t* kb, const uint16_t* vb, int64_t row_stride, int64_t D, uint16_t* dst) {
-  const int64_t nk = p.nk, nvk = round_up(nk, 16) / 16, npairs = round_up(nk, 2) / 2;
-  uint32_t* kp = reinterpret_cast<uint32_t*>(dst);  // [nvk, D / 2, 16] of d pairs
-  std::memset(kp, 0, nvk * 16 * D * sizeof(uint16_t));
+// K's d pairs: kp [ceil(nk / 16), D / 2, 16], pair q of key j at ((j / 16, q, j % 16)), the
+// padding keys zero. A pure copy like V's: with AVX-512 one gather takes pair q of 16 keys
+// from their pool rows, instead of 16 scalar stores 64 bytes apart (gather indices are
+// 32-bit, so a pool too large for them takes the scalar loop).
+#if defined(SRT_LITE_PROMPT_BF16_DOT)
+__attribute__((target("avx512f")))
+#endif
+void pack_k_pairs(const Part& p, const uint16_t* kb, int64_t row_stride, int64_t D, int64_t pool_rows, uint32_t* kp) {
+  const int64_t nk = p.nk;
+#if defined(SRT_LITE_PROMPT_BF16_DOT)
+  if (pool_rows * row_stride / 2 < INT32_MAX) {
+    const uint16_t* head = kb + p.h * D;
+    for (int64_t j0 = 0; j0 < nk; j0 += 16) {
+      const int64_t n = std::min<int64_t>(16, nk - j0);
+      alignas(64) int32_t idx[16] = {0};  // each key's row, in pairs from the head's first
+      for (int64_t i = 0; i < n; ++i) idx[i] = static_cast<int32_t>(p.slots[j0 + i] * row_stride / 2);
+      const __m512i rows = _mm512_load_si512(idx);
+      const __mmask16 mask = n == 16 ? static_cast<__mmask16>(0xffff) : static_cast<__mmask16>((1u << n) - 1);
+      uint32_t* to = kp + (j0 / 16) * (D / 2) * 16;
+      for (int64_t q = 0; q < D / 2; ++q) {
+        const __m512i v = _mm512_mask_i32gather_epi32(_mm512_setzero_si512(), mask, rows, head + 2 * q, 4);
+        _mm512_storeu_si512(to + q * 16, v);
+      }
+    }
+    return;
+  }
+#endif
+  std::memset(kp, 0, round_up(nk, 16) * D * sizeof(uint16_t));
   for (int64_t j = 0; j < nk; ++j) {
     const uint16_t* src = kb + p.slots[j] * row_stride + p.h * D;
     uint32_t* to = kp + (j / 16) * (D / 2) * 16 + j % 16;
@@ -136,6 +160,12 @@ void pack_bf16(const Part& p, const uint16_t* kb, const uint16_t* vb, int64_t ro
       to[q * 16] = pair;
     }
   }
+}
+
+void pack_bf16(const Part& p, const uint16_t* kb, const uint16_t* vb, int64_t row_stride, int64_t D, int64_t pool_rows,
+               uint16_t* dst) {
+  const int64_t nk = p.nk, nvk = round_up(nk, 16) / 16, npairs = round_up(nk, 2) / 2;
+  pack_k_pairs(p, kb, row_stride, D, pool_rows, reinterpret_cast<uint32_t*>(dst));  // [nvk, D / 2, 16] of d pairs
   uint16_t* vp = dst + nvk * 16 * D;  // [D / 16, npairs, 16, 2]
   if (nk % 2) {
     for (int64_t c = 0; c < D / 16; ++c) {
@@ -510,7 +540,7 @@ void pack_part(const Call& c, const Part& p) {
   const int64_t D = c.sh.D, row_stride = c.sh.Hkv * D;
   if (c.dots) {
     pack_bf16(p, reinterpret_cast<const uint16_t*>(c.k_buf.data_ptr()), reinterpret_cast<const uint16_t*>(c.v_buf.data_ptr()),
-              row_stride, D, reinterpret_cast<uint16_t*>(c.pack) + p.pack);
+              row_stride, D, c.k_buf.size(0), reinterpret_cast<uint16_t*>(c.pack) + p.pack);
   } else if (c.q.scalar_type() == at::kBFloat16) {
     pack_f32(p, c.k_buf.data_ptr<c10::BFloat16>(), c.v_buf.data_ptr<c10::BFloat16>(), row_stride, D,
              reinterpret_cast<float*>(c.pack) + p.pack);
