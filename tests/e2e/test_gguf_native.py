@@ -23,7 +23,7 @@ import torch
 from gguf import GGMLQuantizationType
 from gguf.quants import dequantize as gguf_dequantize
 
-from gguf_files import RECIPES, write_model
+from gguf_files import RECIPES, write_and_close, write_model
 from model_harness import Harness
 from srt_lite import cpu_kernels
 from srt_lite.layers.cpu_linear.gguf import DOT_ROWS, PACK_ROWS, PACKED_ID, PACKED_TYPES, GGUFWeight
@@ -287,13 +287,6 @@ def test_default_model_file_greedy_text(tokenizer):
 
     prompt = tokenizer.encode("Once upon a time, in a small village,")
     assert greedy(native, prompt, 16) == greedy(plain, prompt, 16)
-
-
-def write_and_close(w) -> None:
-    w.write_header_to_file()
-    w.write_kv_data_to_file()
-    w.write_tensors_to_file()
-    w.close()
 
 
 def test_unsupported_files_fail_in_one_line(tmp_path):

@@ -105,8 +105,13 @@ def write_model(path: str, recipe: str = "Q4_K_M", arch: str = "llama", hidden: 
     norm("output_norm.weight", hidden)
     if not tied:
         quant("output.weight", "output", vocab, hidden)
+    write_and_close(w)
+    return path
+
+
+def write_and_close(w: GGUFWriter) -> None:
+    """Writes what `w` was given (header, metadata, tensors) and closes its file."""
     w.write_header_to_file()
     w.write_kv_data_to_file()
     w.write_tensors_to_file()
     w.close()
-    return path
