@@ -4,7 +4,9 @@
 # ratios (the machine is noisy; never compare across runs).
 #   benchmarks/compare_with_vllm.sh LABEL [VLLM_PYTHON]
 # WORKLOADS="W3" limits the workloads; SERVERS="srt vllm" limits the servers (default: all four,
-# srt srt-ngram srt-ngram-compile vllm; `srt-det` adds srt_lite with --enable-deterministic-inference; `llamacpp` adds llama-cpp-python's server on the default
+# srt srt-ngram srt-ngram-compile vllm; `srt-det` adds srt_lite with --enable-deterministic-inference; `srt-q0` srt_lite
+# with --quantization none (weights in the model's dtype, as vLLM runs them); `vllm-2t` vLLM computing on every core
+# (its defaults keep one core for its scheduler and compute on the rest); `llamacpp` adds llama-cpp-python's server on the default
 # model's own GGUF file, 2 threads, single-stream workloads only: LLAMACPP_WORKLOADS, default
 # "CHAT1 W1", its Python LLAMACPP_PYTHON, default .bench-venvs/llama/bin/python); ROUNDS=N repeats the servers N times in turn
 # (labels LABEL-1 .. LABEL-N), so a drift of the host's speed hits every server alike.
@@ -34,13 +36,14 @@ run_srt() {  # run_srt NAME [server flags...]
   kill -TERM $srt; wait $srt || true
 }
 
-run_vllm() {
-  VLLM_CPU_KVCACHE_SPACE=2 HF_HUB_OFFLINE=1 VLLM_NO_USAGE_STATS=1 DO_NOT_TRACK=1 \
+run_vllm() {  # run_vllm NAME [VAR=value...]: extra environment for vLLM's processes
+  local name=$1; shift
+  env "$@" VLLM_CPU_KVCACHE_SPACE=2 HF_HUB_OFFLINE=1 VLLM_NO_USAGE_STATS=1 DO_NOT_TRACK=1 \
     setsid "$vllm_py" -m vllm.entrypoints.openai.api_server --model "$model" --served-model-name smollm2 \
-    --port 30100 --dtype "${DTYPE_VLLM:-bfloat16}" --max-model-len 2048 > /tmp/vllm-$tag.log 2>&1 &
+    --port 30100 --dtype "${DTYPE_VLLM:-bfloat16}" --max-model-len 2048 > /tmp/$name-$tag.log 2>&1 &
   local vllm=$!
   wait_health http://127.0.0.1:30100
-  "$root/benchmarks/run_workloads.sh" http://127.0.0.1:30100 "vllm-$tag" $workloads
+  "$root/benchmarks/run_workloads.sh" http://127.0.0.1:30100 "$name-$tag" $workloads
   kill -TERM -- -$vllm; sleep 5
 }
 
@@ -67,7 +70,9 @@ for round in $(seq "$rounds"); do
       srt-ngram) run_srt srt-ngram --speculative-algorithm ngram ;;
       srt-det) run_srt srt-det --enable-deterministic-inference ;;
       srt-ngram-compile) run_srt srt-ngram-compile --speculative-algorithm ngram --enable-torch-compile ;;
-      vllm) run_vllm ;;
+      srt-q0) run_srt srt-q0 --quantization none ;;
+      vllm) run_vllm vllm ;;
+      vllm-2t) run_vllm vllm-2t VLLM_CPU_NUM_OF_RESERVED_CPU=0 OMP_NUM_THREADS="$(nproc)" ;;
       llamacpp) run_llamacpp ;;
       *) echo "unknown server $server" >&2; exit 2 ;;
     esac

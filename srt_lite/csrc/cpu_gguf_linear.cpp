@@ -795,6 +795,12 @@ inline __m512 halves16(const uint8_t* p) {  // 16 fp16 values to fp32
   return _mm512_cvtph_ps(_mm256_loadu_si256(reinterpret_cast<const __m256i*>(p)));
 }
 
+// The three kernels below take a weight vector once and then meet it with every row of x
+// before the next: each row has its own accumulators, so consecutive dot products do not wait
+// on each other (a dependent chain of vpdpbusd runs at its latency, several cycles each, and
+// leaves the vector units mostly idle at 4 rows). Integer sums are exact, and each row's float
+// steps come in the same order whatever MR is, so a row's result does not depend on its tile.
+
 // Rows [m0, m0 + MR) of x against a packed group of 16 outputs, into y[m * ldy + 0 .. 15].
 // Per super-block: int32 sums of each sub-block times its scale, then one float step with
 // d * dx (x quantized per 256 as llama.cpp's q8_K), as the unpacked K-quant path does.
@@ -809,23 +815,25 @@ void packed_q4k(const uint8_t* group, int64_t K, const QuantizedX& xq, int64_t m
     __m512i isum[MR], imin[MR];
     for (int m = 0; m < MR; ++m) isum[m] = imin[m] = _mm512_setzero_si512();
     for (int c = 0; c < 4; ++c) {
-      __m512i lo[8], hi[8];
+      const int8_t* q[MR];
+      __m512i a0[MR], a1[MR];
+      for (int m = 0; m < MR; ++m) {
+        q[m] = xq.q256.data() + (m0 + m) * xq.Kp + 256 * b + 64 * c;
+        a0[m] = a1[m] = _mm512_setzero_si512();
+      }
       for (int j = 0; j < 8; ++j) {
         const __m512i v = _mm512_loadu_si512(in + 320 + granule(8, c, j, 0));
-        lo[j] = _mm512_and_si512(v, m4);
-        hi[j] = _mm512_and_si512(_mm512_srli_epi16(v, 4), m4);
+        const __m512i lo = _mm512_and_si512(v, m4), hi = _mm512_and_si512(_mm512_srli_epi16(v, 4), m4);
+        for (int m = 0; m < MR; ++m) {
+          a0[m] = _mm512_dpbusd_epi32(a0[m], lo, bcast4(q[m] + 4 * j));
+          a1[m] = _mm512_dpbusd_epi32(a1[m], hi, bcast4(q[m] + 32 + 4 * j));
+        }
       }
       const __m512i sc_lo = _mm512_cvtepu8_epi32(_mm_loadu_si128(reinterpret_cast<const __m128i*>(in + 64 + 32 * c)));
       const __m512i sc_hi = _mm512_cvtepu8_epi32(_mm_loadu_si128(reinterpret_cast<const __m128i*>(in + 80 + 32 * c)));
+      const __m512i mins = _mm512_cvtepu8_epi16(_mm256_loadu_si256(reinterpret_cast<const __m256i*>(in + 192 + 32 * c)));
       for (int m = 0; m < MR; ++m) {
-        const int8_t* q = xq.q256.data() + (m0 + m) * xq.Kp + 256 * b + 64 * c;
-        __m512i a0 = _mm512_setzero_si512(), a1 = _mm512_setzero_si512();
-        for (int j = 0; j < 8; ++j) {
-          a0 = _mm512_dpbusd_epi32(a0, lo[j], bcast4(q + 4 * j));
-          a1 = _mm512_dpbusd_epi32(a1, hi[j], bcast4(q + 32 + 4 * j));
-        }
-        isum[m] = _mm512_add_epi32(isum[m], _mm512_add_epi32(_mm512_mullo_epi32(a0, sc_lo), _mm512_mullo_epi32(a1, sc_hi)));
-        const __m512i mins = _mm512_cvtepu8_epi16(_mm256_loadu_si256(reinterpret_cast<const __m256i*>(in + 192 + 32 * c)));
+        isum[m] = _mm512_add_epi32(isum[m], _mm512_add_epi32(_mm512_mullo_epi32(a0[m], sc_lo), _mm512_mullo_epi32(a1[m], sc_hi)));
         int32_t pair;  // the sums of x over sub-blocks 2c and 2c + 1, as two int16
         std::memcpy(&pair, xq.sum32.data() + ((m0 + m) * xq.Kp + 256 * b) / 32 + 2 * c, 4);
         imin[m] = _mm512_dpwssd_epi32(imin[m], mins, _mm512_set1_epi32(pair));
@@ -843,6 +851,8 @@ void packed_q4k(const uint8_t* group, int64_t K, const QuantizedX& xq, int64_t m
 
 // Q6_K: ql byte 64n + l holds the low 4 bits of weights 128n + l (low nibble) and 128n + 64 + l
 // (high); qh byte 32n + l the top 2 bits of 128n + l + 32 i at bits 2i. Scales per 16 weights.
+// A step's three loads give four 64-byte code vectors (i = 0..3, weights 32 i apart), each
+// met with every row in its own accumulator: 4 * MR independent sums.
 template <int MR>
 __attribute__((target("avx512f,avx512bw,avx512vl,avx512vnni,f16c")))
 void packed_q6k(const uint8_t* group, int64_t K, const QuantizedX& xq, int64_t m0, float* y, int64_t ldy) {
@@ -854,41 +864,40 @@ void packed_q6k(const uint8_t* group, int64_t K, const QuantizedX& xq, int64_t m
     __m512i isum[MR], corr[MR];
     for (int m = 0; m < MR; ++m) isum[m] = corr[m] = _mm512_setzero_si512();
     for (int n = 0; n < 2; ++n) {
-      // Scales of the half's groups 8n .. 8n + 7 as int16 pairs: pairs[i] = (8n + 2i, 8n + 2i + 1).
-      __m512i pairs[4];
-      for (int i = 0; i < 4; ++i) {
-        pairs[i] = _mm512_cvtepi8_epi16(_mm256_loadu_si256(reinterpret_cast<const __m256i*>(in + 32 + 32 * (4 * n + i))));
-      }
-      for (int h = 0; h < 2; ++h) {  // qh groups 4h .. 4h + 3: weights 128n + 32i + 16h + [0, 16)
-        __m512i codes[4][4];  // [i][jj]: weights 128n + 32i + 16h + 4jj + [0, 4), group 8n + 2i + h
+      for (int h = 0; h < 2; ++h) {  // weights 128n + 32i + 16h + [0, 16), group 8n + 2i + h
+        const int8_t* q[MR];
+        __m512i a[MR][4];
+        for (int m = 0; m < MR; ++m) {
+          q[m] = xq.q256.data() + (m0 + m) * xq.Kp + 256 * b + 128 * n + 16 * h;
+          for (int i = 0; i < 4; ++i) a[m][i] = _mm512_setzero_si512();
+        }
         for (int jj = 0; jj < 4; ++jj) {
           const int j = 4 * h + jj;
           const __m512i hb = _mm512_loadu_si512(in + q6_at(n, j, 0, 0));
           const __m512i l0 = _mm512_loadu_si512(in + q6_at(n, j, 1, 0));
           const __m512i l1 = _mm512_loadu_si512(in + q6_at(n, j, 2, 0));
-          codes[0][jj] = _mm512_or_si512(_mm512_and_si512(l0, m4), _mm512_and_si512(_mm512_slli_epi16(hb, 4), m30));
-          codes[1][jj] = _mm512_or_si512(_mm512_and_si512(l1, m4), _mm512_and_si512(_mm512_slli_epi16(hb, 2), m30));
-          codes[2][jj] = _mm512_or_si512(_mm512_and_si512(_mm512_srli_epi16(l0, 4), m4), _mm512_and_si512(hb, m30));
-          codes[3][jj] = _mm512_or_si512(_mm512_and_si512(_mm512_srli_epi16(l1, 4), m4),
-                                         _mm512_and_si512(_mm512_srli_epi16(hb, 2), m30));
-        }
-        __m512i sc[4];  // int32 scale of group 8n + 2i + h
-        for (int i = 0; i < 4; ++i) {
-          sc[i] = h == 0 ? _mm512_srai_epi32(_mm512_slli_epi32(pairs[i], 16), 16) : _mm512_srai_epi32(pairs[i], 16);
-        }
-        for (int m = 0; m < MR; ++m) {
-          const int8_t* q = xq.q256.data() + (m0 + m) * xq.Kp + 256 * b + 128 * n + 16 * h;
-          for (int i = 0; i < 4; ++i) {
-            __m512i a = _mm512_setzero_si512();
-            for (int jj = 0; jj < 4; ++jj) a = _mm512_dpbusd_epi32(a, codes[i][jj], bcast4(q + 32 * i + 4 * jj));
-            isum[m] = _mm512_add_epi32(isum[m], _mm512_mullo_epi32(a, sc[i]));
+          const __m512i codes[4] = {
+              _mm512_or_si512(_mm512_and_si512(l0, m4), _mm512_and_si512(_mm512_slli_epi16(hb, 4), m30)),
+              _mm512_or_si512(_mm512_and_si512(l1, m4), _mm512_and_si512(_mm512_slli_epi16(hb, 2), m30)),
+              _mm512_or_si512(_mm512_and_si512(_mm512_srli_epi16(l0, 4), m4), _mm512_and_si512(hb, m30)),
+              _mm512_or_si512(_mm512_and_si512(_mm512_srli_epi16(l1, 4), m4), _mm512_and_si512(_mm512_srli_epi16(hb, 2), m30))};
+          for (int m = 0; m < MR; ++m) {
+            for (int i = 0; i < 4; ++i) a[m][i] = _mm512_dpbusd_epi32(a[m][i], codes[i], bcast4(q[m] + 32 * i + 4 * jj));
           }
         }
-      }
-      for (int m = 0; m < MR; ++m) {
-        int32_t sums[4];  // x's sums over the half's groups, as int16 pairs like `pairs`
-        std::memcpy(sums, xq.sum16.data() + ((m0 + m) * xq.Kp + 256 * b) / 16 + 8 * n, 16);
-        for (int i = 0; i < 4; ++i) corr[m] = _mm512_dpwssd_epi32(corr[m], pairs[i], _mm512_set1_epi32(sums[i]));
+        for (int i = 0; i < 4; ++i) {
+          // Scales of groups 8n + 2i (low int16 of each lane) and 8n + 2i + 1 (high), as int32.
+          const __m512i pair = _mm512_cvtepi8_epi16(_mm256_loadu_si256(reinterpret_cast<const __m256i*>(in + 32 + 32 * (4 * n + i))));
+          const __m512i sc = h == 0 ? _mm512_srai_epi32(_mm512_slli_epi32(pair, 16), 16) : _mm512_srai_epi32(pair, 16);
+          for (int m = 0; m < MR; ++m) isum[m] = _mm512_add_epi32(isum[m], _mm512_mullo_epi32(a[m][i], sc));
+          if (h == 1) {
+            for (int m = 0; m < MR; ++m) {
+              int32_t sums;  // x's sums over groups 8n + 2i and 8n + 2i + 1, as int16 pairs like `pair`
+              std::memcpy(&sums, xq.sum16.data() + ((m0 + m) * xq.Kp + 256 * b) / 16 + 8 * n + 2 * i, 4);
+              corr[m] = _mm512_dpwssd_epi32(corr[m], pair, _mm512_set1_epi32(sums));
+            }
+          }
+        }
       }
     }
     const __m512 d = halves16(in);
@@ -909,20 +918,25 @@ void packed_q80(const uint8_t* group, int64_t K, const QuantizedX& xq, int64_t m
   for (int m = 0; m < MR; ++m) acc[m] = _mm512_setzero_ps();
   for (int64_t b = 0; b < K / 32; ++b) {
     const uint8_t* in = group + b * 544;
-    __m512i w[8];
-    for (int j = 0; j < 8; ++j) w[j] = _mm512_loadu_si512(in + 32 + 64 * j);
+    const int8_t* q[MR];
+    __m512i a0[MR], a1[MR];
+    for (int m = 0; m < MR; ++m) {
+      q[m] = xq.q.data() + (m0 + m) * xq.Kp + 32 * b;
+      a0[m] = a1[m] = _mm512_setzero_si512();
+    }
+    for (int j = 0; j < 8; j += 2) {
+      const __m512i w0 = _mm512_loadu_si512(in + 32 + 64 * j), w1 = _mm512_loadu_si512(in + 96 + 64 * j);
+      for (int m = 0; m < MR; ++m) {
+        a0[m] = _mm512_dpbusd_epi32(a0[m], w0, bcast4(q[m] + 4 * j));
+        a1[m] = _mm512_dpbusd_epi32(a1[m], w1, bcast4(q[m] + 4 * j + 4));
+      }
+    }
     const __m512 d = halves16(in);
     for (int m = 0; m < MR; ++m) {
       const int64_t base = (m0 + m) * xq.Kp + 32 * b;
-      const int8_t* q = xq.q.data() + base;
-      __m512i a0 = _mm512_setzero_si512(), a1 = _mm512_setzero_si512();
-      for (int j = 0; j < 8; j += 2) {
-        a0 = _mm512_dpbusd_epi32(a0, w[j], bcast4(q + 4 * j));
-        a1 = _mm512_dpbusd_epi32(a1, w[j + 1], bcast4(q + 4 * j + 4));
-      }
       const float dx = xq.dx4[base / 4];
       const float off = 128.f * (xq.sums[base / 16] + xq.sums[base / 16 + 1]);  // dx * 128 * sum(qx)
-      const __m512 dot = _mm512_fmsub_ps(_mm512_cvtepi32_ps(_mm512_add_epi32(a0, a1)), _mm512_set1_ps(dx), _mm512_set1_ps(off));
+      const __m512 dot = _mm512_fmsub_ps(_mm512_cvtepi32_ps(_mm512_add_epi32(a0[m], a1[m])), _mm512_set1_ps(dx), _mm512_set1_ps(off));
       acc[m] = _mm512_fmadd_ps(dot, d, acc[m]);
     }
   }
