@@ -714,7 +714,12 @@ void repack_group(int64_t type, const uint8_t* src, int64_t row_bytes, int64_t K
       const uint8_t* blk = src + r * row_bytes + b * info.bytes;
       if (type == kQ8_0) {
         std::memcpy(out + 2 * r, blk, 2);
-        for (int64_t e = 0; e < 32; ++e) out[32 + (e / 4 * kGroup + r) * 4 + e % 4] = blk[2 + e] ^ 0x80;
+        for (int64_t j = 0; j < 8; ++j) {  // codes + 128: each byte's top bit flipped
+          uint32_t v;
+          std::memcpy(&v, blk + 2 + 4 * j, 4);
+          v ^= 0x80808080u;
+          std::memcpy(out + granule(8, 0, j, r) + 32, &v, 4);
+        }
       } else if (type == kQ4_K) {
         std::memcpy(out + 2 * r, blk, 2);
         std::memcpy(out + 32 + 2 * r, blk + 2, 2);
@@ -1121,7 +1126,9 @@ at::Tensor gguf_dequantize(const at::Tensor& weight, int64_t type, int64_t K) {
 // Decode streams every weight once a step: on 2 MiB pages the hardware prefetchers are not
 // stopped at each 4 KiB boundary and the TLB covers the whole model. Asked before the first
 // write, so the kernel can back the range with huge pages from the start (where THP is on
-// "madvise"; a no-op where it is off).
+// "madvise"; a no-op where it is off). In a VM that hands freed memory back to its host, the
+// first write of each fresh huge page waits for the host to back it, which lengthens start-up;
+// docs/development.md weighs that against the decode it buys.
 void ask_huge_pages(uint8_t* p, int64_t bytes) {
 #if defined(__linux__) && defined(MADV_HUGEPAGE)
   constexpr uintptr_t kHuge = 2 << 20;
