@@ -272,9 +272,9 @@ class ModelRunner:
         fits = prefill_chunk <= min(self.max_total_num_tokens // 2, r2t.shape[1])
         long_prompt = prefill_chunk if prompt < prefill_chunk and fits else 0
         if self.gguf_formats:
-            # GGUF linears dequantize a slab at a time into the same scratch at any prompt
-            # length: the first batch of prompts (over DOT_ROWS tokens) already set them up,
-            # and a full chunk would add seconds to start-up for nothing.
+            # GGUF linears take the same integer products or dequantize a slab at a time into
+            # the same scratch at any prompt length: the first batch of prompts already set
+            # them up, and a full chunk would add seconds to start-up for nothing.
             long_prompt = 0
         rows = [self.req_to_token_pool.alloc() for _ in range(sizes[-1])]
         slots = self.token_to_kv_pool.alloc(max(need, long_prompt))

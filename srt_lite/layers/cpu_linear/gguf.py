@@ -2,8 +2,9 @@
 
 `GGUFWeight` is one object with one interface, `forward(x, bias)`, whatever the row count:
 srt_lite_cpu::gguf_linear (csrc/cpu_gguf_linear.cpp) takes integer dot products with int8
-activations up to DOT_ROWS rows and dequantized slabs through a matmul above. Without the
-C++ ops, slabs are dequantized in Python and go through F.linear.
+activations up to DOT_ROWS rows (every row count for packed weights without AMX, see
+dot_rows) and dequantized slabs through a matmul above. Without the C++ ops, slabs are
+dequantized in Python and go through F.linear.
 
 On CPUs with AVX512-VNNI, Q4_K, Q6_K and Q8_0 parts are repacked once at load, 16 rows
 interleaved (csrc/cpu_gguf_linear.cpp describes the layout): one int8 dot-product instruction
@@ -41,10 +42,17 @@ PACK_ROWS = 16
 PACKED_ID = 256
 
 
-def dot_rows() -> int:
-    """Rows up to which the integer dot products run: every row count when batch-invariant
-    (the slabs' matmul rounds otherwise than the int8 products, and by its own blocking)."""
-    return batch_invariant.ALL_ROWS if batch_invariant.enabled() else DOT_ROWS
+def dot_rows(all_packed: bool = False) -> int:
+    """Rows up to which the integer dot products run. Every row count when batch-invariant
+    (the slabs' matmul rounds otherwise than the int8 products, and by its own blocking), and
+    for a weight whose parts are all packed on a CPU without AMX: one vpdpbusd takes 64
+    products where a bf16 dot instruction takes 32, and the slabs also pay for writing the
+    dequantized weight, so the packed products win at every prompt length there (as
+    llama.cpp's int8 activations do for its prompts). With AMX, oneDNN's bf16 matmul on
+    tiles is the faster one for prompts."""
+    if batch_invariant.enabled() or (all_packed and not cpu_caps.get().amx_bf16):
+        return batch_invariant.ALL_ROWS
+    return DOT_ROWS
 
 
 def packs(t: GGUFType, rows: int) -> bool:
@@ -76,14 +84,15 @@ class GGUFWeight:
             packed = pack and packs(t, raw.shape[0])
             self.kernel_parts.append(torch.ops.srt_lite_cpu.gguf_repack(raw, t.id, cols) if packed else raw)
             self.kernel_ids.append(t.id + PACKED_ID if packed else t.id)
+        self.all_packed = all(i >= PACKED_ID for i in self.kernel_ids)
         self._cpp_key: int | None = None
 
     def cpp_key(self) -> int:
         """This weight's key for the C++ decoder stack (srt_lite_cpu::gguf_linear_registered,
         the same product as forward), registered once and released with the weight."""
         if self._cpp_key is None:
-            self._cpp_key = torch.ops.srt_lite_cpu.register_gguf_weight(self.kernel_parts, self.kernel_ids, dot_rows(),
-                                                                        _mm_bf16())
+            self._cpp_key = torch.ops.srt_lite_cpu.register_gguf_weight(self.kernel_parts, self.kernel_ids,
+                                                                        dot_rows(self.all_packed), _mm_bf16())
             weakref.finalize(self, torch.ops.srt_lite_cpu.release_gguf_weight, self._cpp_key)
         return self._cpp_key
 
@@ -102,7 +111,8 @@ class GGUFWeight:
         if cpu_kernels.load() and x.device.type == "cpu":
             xin = x if x.dtype in (torch.float32, torch.bfloat16) else x.float()
             mm_bf16 = xin.dtype == torch.bfloat16 and _mm_bf16()
-            y = torch.ops.srt_lite_cpu.gguf_linear(xin, self.kernel_parts, self.kernel_ids, bias, dot_rows(), mm_bf16)
+            y = torch.ops.srt_lite_cpu.gguf_linear(xin, self.kernel_parts, self.kernel_ids, bias,
+                                                   dot_rows(self.all_packed), mm_bf16)
             return y.to(x.dtype)
         outs = []
         for t, raw in zip(self.types, self.raws):
