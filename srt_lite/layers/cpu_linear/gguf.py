@@ -48,8 +48,8 @@ def dot_rows(all_packed: bool = False) -> int:
     for a weight whose parts are all packed on a CPU without AMX: one vpdpbusd takes 64
     products where a bf16 dot instruction takes 32, and the slabs also pay for writing the
     dequantized weight, so the packed products win at every prompt length there (as
-    llama.cpp's int8 activations do for its prompts). With AMX, oneDNN's bf16 matmul on
-    tiles is the faster one for prompts."""
+    llama.cpp's int8 activations do for its prompts). With AMX the slabs' bf16 matmul runs
+    on tiles, which these products were not measured against, so AMX keeps the slabs."""
     if batch_invariant.enabled() or (all_packed and not cpu_caps.get().amx_bf16):
         return batch_invariant.ALL_ROWS
     return DOT_ROWS
