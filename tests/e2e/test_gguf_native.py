@@ -44,6 +44,15 @@ def _vnni() -> bool:
     return cpu_caps.get().avx512_vnni
 
 
+def _int8_activations(x: torch.Tensor, block: int) -> torch.Tensor:
+    """x [rows, k] rounded as the products quantize it, in float64: int8 with one scale
+    (max |x| / 127) per `block` values."""
+    rows, k = x.shape
+    xb = x.view(rows, k // block, block).double()
+    d = xb.abs().amax(-1, keepdim=True) / 127
+    return (torch.round(xb / torch.where(d > 0, d, torch.ones_like(d))) * d).view(rows, k)
+
+
 @pytest.fixture(scope="module")
 def files(tmp_path_factory) -> dict[tuple[str, str], str]:
     """(recipe, arch) -> a tiny random model file."""
@@ -107,9 +116,7 @@ def test_dot_products_equal_int8_activations_exactly(name):
     x = torch.randn(3, k, generator=g)
     super_blocks = t.unit == 256 and _vnni()
     block = 256 if super_blocks else 32
-    xb = x.view(3, k // block, block).double()
-    d = xb.abs().amax(-1, keepdim=True) / 127
-    xq = (torch.round(xb / torch.where(d > 0, d, torch.ones_like(d))) * d).view(3, k)
+    xq = _int8_activations(x, block)
     want = xq @ gguf_types.dequantize(raw, t, k).double().t()
     got = torch.ops.srt_lite_cpu.gguf_linear(x, [raw], [t.id], None, DOT_ROWS, False).double()
     assert ((got - want).norm() / want.norm()).item() < 1e-5
@@ -146,9 +153,7 @@ def test_packed_products_equal_int8_activations(name):
     block = 256 if t.unit == 256 else 32
     for rows in (1, 3, 4, 5, DOT_ROWS):
         x = torch.randn(rows, k, generator=g)
-        xb = x.view(rows, k // block, block).double()
-        d = xb.abs().amax(-1, keepdim=True) / 127
-        xq = (torch.round(xb / torch.where(d > 0, d, torch.ones_like(d))) * d).view(rows, k)
+        xq = _int8_activations(x, block)
         want = xq @ gguf_types.dequantize(raw[:40], t, k).double().t()
         got = weight.forward(x).double()
         assert ((got - want).norm() / want.norm()).item() < 1e-5, rows
@@ -172,9 +177,7 @@ def test_packed_weights_take_int8_products_for_prompts(name):
     assert not GGUFWeight([(t, raw[:32]), (t, raw[32:40])], k).all_packed
     block = 256 if t.unit == 256 else 32
     x = torch.randn(rows, k, generator=g)
-    xb = x.view(rows, k // block, block).double()
-    d = xb.abs().amax(-1, keepdim=True) / 127
-    xq = (torch.round(xb / torch.where(d > 0, d, torch.ones_like(d))) * d).view(rows, k)
+    xq = _int8_activations(x, block)
     want = xq @ gguf_types.dequantize(raw, t, k).double().t()
     got = weight.forward(x)
     assert ((got.double() - want).norm() / want.norm()).item() < 1e-5
