@@ -19,6 +19,7 @@
 #include <torch/library.h>
 
 #include <algorithm>
+#include <atomic>
 #include <cstring>
 #include <optional>
 #include <utility>
@@ -292,6 +293,32 @@ void suffix_row(
   }
 }
 
+// Queries of one row that one task attends: a prompt's hundreds of queries are split so the
+// threads share a layer's few (row, KV head) pairs; each query's result is its own, whatever
+// task computes it.
+constexpr int64_t kQueryBlock = 32;
+
+struct SuffixTask {
+  int64_t b, h, i0, i1;  // row b's queries [i0, i1) of KV head h
+  int64_t cost;          // query-key pairs
+};
+
+// Every (row, KV head, block) task, the costliest first: threads claim them as they come
+// free, so the long causal blocks do not end up last on one thread.
+std::vector<SuffixTask> suffix_tasks(const int64_t* qo, const int64_t* ko, int64_t B, int64_t Hkv) {
+  std::vector<SuffixTask> tasks;
+  for (int64_t b = 0; b < B; ++b) {
+    const int64_t nq = qo[b + 1] - qo[b], nk = ko[b + 1] - ko[b];
+    for (int64_t i0 = 0; i0 < nq; i0 += kQueryBlock) {
+      const int64_t i1 = std::min(nq, i0 + kQueryBlock);
+      const int64_t seen = nk - nq + i1;  // keys of the block's last query
+      for (int64_t h = 0; h < Hkv; ++h) tasks.push_back({b, h, i0, i1, (i1 - i0) * seen});
+    }
+  }
+  std::stable_sort(tasks.begin(), tasks.end(), [](const SuffixTask& x, const SuffixTask& y) { return x.cost > y.cost; });
+  return tasks;
+}
+
 // One layer of cascade attention for T query tokens (a batch's short rows over a prefix
 // they all share). q [>= T, H * D], k and v [>= T, Hkv * D] (rows past T only pad the
 // token axis), stored at slots loc [T] of k_buf / v_buf [N, Hkv, D]. The prefix is
@@ -341,7 +368,7 @@ void cascade_attention(
     std::tie(o_pre, lse_pre) = at::_scaled_dot_product_flash_attention_for_cpu(q_seq, k_pre, v_pre, 0.0, false, std::nullopt, scale);
     TORCH_CHECK(o_pre.stride(3) == 1 && lse_pre.scalar_type() == at::kFloat, "flash output layout");
   }
-  // Suffixes, merged into out: one task per (row, KV head).
+  // Suffixes, merged into out: one task per (row, KV head, block of the row's queries).
   const int64_t B = q_off.size(0) - 1;
   const int64_t* qo = q_off.data_ptr<int64_t>();
   const int64_t* ko = k_off.data_ptr<int64_t>();
@@ -350,15 +377,21 @@ void cascade_attention(
   for (int64_t b = 0; b < B; ++b) {
     max_k = std::max(max_k, ko[b + 1] - ko[b]);
   }
-  at::parallel_for(0, B * Hkv, 1, [&](int64_t begin, int64_t end) {
+  const std::vector<SuffixTask> tasks = suffix_tasks(qo, ko, B, Hkv);
+  std::atomic<int64_t> next{0};
+  const int64_t workers = std::min<int64_t>(at::get_num_threads(), static_cast<int64_t>(tasks.size()));
+  at::parallel_for(0, workers, 1, [&](int64_t, int64_t) {
     const int64_t ps = (max_k + Vec::size() - 1) / Vec::size() * Vec::size();
     std::vector<float> scratch(kQRows * (2 * D + ps));  // see suffix_row
-    for (int64_t task = begin; task < end; ++task) {
-      const int64_t b = task / Hkv, h = task % Hkv;
-      auto* row = dtype == at::kBFloat16 ? &suffix_row<c10::BFloat16> : &suffix_row<float>;
+    auto* row = dtype == at::kBFloat16 ? &suffix_row<c10::BFloat16> : &suffix_row<float>;
+    for (int64_t i; (i = next.fetch_add(1)) < static_cast<int64_t>(tasks.size());) {
+      const SuffixTask& t = tasks[i];
+      // The block's queries [i0, i1) of the row's nq: the last of them sees all but the
+      // row's nq - i1 last keys.
+      const int64_t nq = qo[t.b + 1] - qo[t.b], nk = ko[t.b + 1] - ko[t.b];
       row(
-          q, k_buf, v_buf, slots + ko[b], qo[b], qo[b + 1] - qo[b], ko[b + 1] - ko[b], h, G, static_cast<float>(scale),
-          o_pre, lse_pre, out, scratch.data(), ps);
+          q, k_buf, v_buf, slots + ko[t.b], qo[t.b] + t.i0, t.i1 - t.i0, nk - nq + t.i1, t.h, G,
+          static_cast<float>(scale), o_pre, lse_pre, out, scratch.data(), ps);
     }
   });
 }

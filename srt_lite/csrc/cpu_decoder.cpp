@@ -1,6 +1,6 @@
 // A Llama-family decoder stack's layers in one call, for the CPU steps whose attention is one
-// token cascade (every decode step, and verify steps over a shared prefix), and with
-// batch-invariant inference every step (its attention then the prompt op).
+// token cascade (every decode step, verify steps over a shared prefix, and with
+// batch-invariant inference every step: its rows then share no prefix).
 //
 // Eager, each layer is a dozen Python calls (modules, views, the attention plan) around the
 // C++ ops that do the work; at a few rows a step those calls cost as much as the arithmetic
@@ -83,8 +83,6 @@ using Int4PanelSig = at::Tensor(const at::Tensor&, const at::Tensor&, const at::
 using CascadeSig = void(const at::Tensor&, const at::Tensor&, const at::Tensor&, at::Tensor, at::Tensor, const at::Tensor&,
                         const at::Tensor&, const at::Tensor&, const at::Tensor&, int64_t, int64_t, const at::Tensor&,
                         int64_t, double, at::Tensor);
-using PromptSig = void(const at::Tensor&, const at::Tensor&, const at::Tensor&, const at::Tensor&, const at::Tensor&,
-                       const at::Tensor&, int64_t, double, bool, at::Tensor);
 
 // The product `c` of x; the bias inside it unless it comes after (see linear).
 at::Tensor product(const Linear& l, const Choice& c, const at::Tensor& x) {
@@ -195,14 +193,10 @@ void release_decoder_stack(int64_t key) {
 // output), cos / sin the step's RoPE rows ([T, 1, D]), the cascade's metadata as
 // srt_lite_cpu::cascade_attention takes it, and each layer's KV buffers. Returns the last
 // layer's (output, residual), which the model's final norm adds and normalises.
-// prompt_op: the step's attention is srt_lite_cpu::prompt_attention instead (every row on its
-// own keys, suffix_index holding every row's slots; batch-invariant inference): the new K/V
-// are stored first, as the Python step does, and bf16_dot is the op's flag.
 std::tuple<at::Tensor, at::Tensor> decoder_layers(
     int64_t key, const at::Tensor& hidden, const at::Tensor& cos, const at::Tensor& sin, const at::Tensor& loc,
     const at::Tensor& suffix_index, const at::Tensor& q_off, const at::Tensor& k_off, int64_t prefix_start,
-    int64_t prefix_len, const at::Tensor& prefix_index, double scale, at::TensorList k_bufs, at::TensorList v_bufs,
-    bool prompt_op, bool bf16_dot) {
+    int64_t prefix_len, const at::Tensor& prefix_index, double scale, at::TensorList k_bufs, at::TensorList v_bufs) {
   std::shared_ptr<const Stack> st;
   {
     std::lock_guard<std::mutex> lock(stacks_mutex);
@@ -221,7 +215,6 @@ std::tuple<at::Tensor, at::Tensor> decoder_layers(
   static const auto rope = op<at::Tensor(const at::Tensor&, const at::Tensor&, const at::Tensor&)>("srt_lite_cpu::rope");
   static const auto silu_and_mul = op<at::Tensor(const at::Tensor&)>("srt_lite_cpu::silu_and_mul");
   static const auto cascade = op<CascadeSig>("srt_lite_cpu::cascade_attention");
-  static const auto prompt = op<PromptSig>("srt_lite_cpu::prompt_attention");
   const int64_t T = hidden.size(0), H = st->heads, Hkv = st->kv_heads, D = st->head_dim;
   const int64_t q_size = H * D, kv_size = Hkv * D;
   const int64_t cls = T <= st->bounds[0] ? 0 : T <= st->bounds[1] ? 1 : 2;
@@ -241,15 +234,8 @@ std::tuple<at::Tensor, at::Tensor> decoder_layers(
     at::Tensor k = qk.narrow(1, H, Hkv).reshape({T, kv_size});
     at::Tensor v = qkv.narrow(1, q_size + kv_size, kv_size);
     at::Tensor attn = at::empty({T, q_size}, h.options());  // [T, H * D]
-    if (prompt_op) {
-      at::Tensor k_buf = k_bufs[i], v_buf = v_bufs[i];
-      k_buf.index_copy_(0, loc, k.view({T, Hkv, D}).to(k_buf.scalar_type()));
-      v_buf.index_copy_(0, loc, v.view({T, Hkv, D}).to(v_buf.scalar_type()));
-      prompt.call(q, k_buf, v_buf, suffix_index, q_off, k_off, H, scale, bf16_dot, attn);
-    } else {
-      cascade.call(q, k, v, k_bufs[i], v_bufs[i], loc, suffix_index, q_off, k_off, prefix_start, prefix_len,
-                   prefix_index, H, scale, attn);
-    }
+    cascade.call(q, k, v, k_bufs[i], v_bufs[i], loc, suffix_index, q_off, k_off, prefix_start, prefix_len,
+                 prefix_index, H, scale, attn);
     at::Tensor o = linear(layer.linears[1], cls, attn);
     std::tie(h, residual) = add_rms_norm.call(o, residual, layer.post_norm, st->eps);
     h = linear(layer.linears[3], cls, silu_and_mul.call(linear(layer.linears[2], cls, h)));
@@ -267,7 +253,7 @@ TORCH_LIBRARY_FRAGMENT(srt_lite_cpu, m) {
   m.def(
       "decoder_layers(int key, Tensor hidden, Tensor cos, Tensor sin, Tensor loc, Tensor suffix_index, Tensor q_off, "
       "Tensor k_off, int prefix_start, int prefix_len, Tensor prefix_index, float scale, Tensor(a!)[] k_bufs, "
-      "Tensor(b!)[] v_bufs, bool prompt_op=False, bool bf16_dot=False) -> (Tensor, Tensor)");
+      "Tensor(b!)[] v_bufs) -> (Tensor, Tensor)");
 }
 
 TORCH_LIBRARY_IMPL(srt_lite_cpu, CPU, m) { m.impl("decoder_layers", &decoder_layers); }

@@ -10,7 +10,8 @@ instead of many) or with its prompt chunked otherwise.
 Enabled (`--enable-deterministic-inference`), each layer keeps one product for every row
 count, each of those products computes a row the same way whatever else is in the batch
 (fixed reduction order over k, no split of k by row count), and attention runs every row
-in the C++ prompt op, whose result for a query depends only on the query and its keys.
+(decode, verify and prompt alike) through one exact loop over its own keys, the C++ cascade
+op with no shared prefix, whose result for a query depends only on the query and its keys.
 With tensor parallelism the ranks' partial sums are added in rank order (a fixed TP size
 gives a fixed order; another size may give other tokens).
 `enable()` must run before the model loads: the layers read the setting when they pack.

@@ -97,7 +97,7 @@ class CppDecoderStack:
         prefix_index = a.slots[:0] if a.prefix_index is None else a.prefix_index
         return torch.ops.srt_lite_cpu.decoder_layers(
             self.key, hidden, cos, sin, fb.out_cache_loc, a.slots, a.q_offsets, a.k_offsets, a.prefix_start,
-            a.prefix_len, prefix_index, self.scale, pool.k_buffer, pool.v_buffer, a.prompt, a.bf16_dot,
+            a.prefix_len, prefix_index, self.scale, pool.k_buffer, pool.v_buffer,
         )
 
 

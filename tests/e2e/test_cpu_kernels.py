@@ -347,6 +347,7 @@ INT4_PANEL_OPS = [pytest.param("amx_int4_panel_linear", marks=AMX), pytest.param
         (17, 130, 576),  # a full tile and one of a row
         (40, 70, 64),  # three tiles of rows, two groups
         (130, 64, 160),  # two chunks of rows
+        (129, 70, 96),  # a last chunk of one row (the lone row's path), three groups
         (21, 1536, 576),  # enough panels for whole ones a thread (and a row tile of 3 left)
     ],
 )
@@ -603,6 +604,46 @@ def test_cascade_op_matches_masked_attention(dtype, heads, kv_heads, head_dim, p
     ref = _masked_reference(q, k_buf, v_buf, rows, prefix, heads, scale)
     err = ((out.float() - ref).abs().max() / ref.abs().max()).item()
     assert err < (1e-2 if dtype == torch.bfloat16 else 1e-5), err
+
+
+def _own_keys_op(q, k_buf, v_buf, rows, heads, scale):
+    """The cascade op with no shared prefix (batch-invariant inference's attention) over rows
+    of (queries, key slots); the KV is already stored."""
+    t = lambda x: torch.tensor(x, dtype=torch.int64)  # noqa: E731
+    nqs, nks = [nq for nq, _ in rows], [len(sl) for _, sl in rows]
+    out = torch.zeros(sum(nqs), heads * k_buf.shape[2], dtype=q.dtype)
+    no_rows = torch.empty(0, k_buf.shape[1] * k_buf.shape[2], dtype=q.dtype)
+    torch.ops.srt_lite_cpu.cascade_attention(
+        q, no_rows, no_rows, k_buf, v_buf, t([s for nq, sl in rows for s in sl[-nq:]]), t([s for _, sl in rows for s in sl]),
+        t([0, *torch.tensor(nqs).cumsum(0).tolist()]), t([0, *torch.tensor(nks).cumsum(0).tolist()]), 0, 0, t([]),
+        heads, scale, out,
+    )
+    return out
+
+
+@pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float32])
+def test_own_keys_op_gives_a_position_the_same_bits_as_prompt_chunk_or_decode_row(dtype):
+    """Prompts of more queries than one task takes are split into blocks between the threads;
+    a query's output is still its own: the same position computed in a whole prompt, in a
+    chunk after the prompt's first part, or as a decode row beside other rows gives the same
+    bits, and matches SDPA."""
+    g = torch.Generator().manual_seed(7)
+    heads, kv_heads, D = 9, 3, 64
+    k_buf, v_buf, rows = _prompt_rows(g, [(150, 150), (3, 40)], kv_heads, D, dtype)
+    prompt = rows[0][1]
+    q = torch.randn(150, heads * D, generator=g).to(dtype)
+    scale = D ** -0.5
+    whole = _own_keys_op(q, k_buf, v_buf, rows[:1], heads, scale)
+    ref = _masked_reference(q, k_buf, v_buf, rows[:1], [], heads, scale)
+    assert ((whole.float() - ref).abs().max() / ref.abs().max()).item() < (1e-2 if dtype == torch.bfloat16 else 1e-5)
+    # Queries 100..149 as a chunk after 100 cached keys, beside another row's verify tokens.
+    q_other = torch.randn(3, heads * D, generator=g).to(dtype)
+    chunk = _own_keys_op(torch.cat([q_other, q[100:]]), k_buf, v_buf, [rows[1], (50, prompt)], heads, scale)
+    assert torch.equal(chunk[3:], whole[100:])
+    # Positions 0, 31, 32, 149 as decode rows of one step.
+    picks = [0, 31, 32, 149]
+    decode = _own_keys_op(q[picks], k_buf, v_buf, [(1, prompt[:p + 1]) for p in picks], heads, scale)
+    assert torch.equal(decode, whole[picks])
 
 
 @pytest.mark.parametrize(

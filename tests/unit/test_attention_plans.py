@@ -150,13 +150,23 @@ def test_plan_choices_are_pinned(name):
 # ---- the cost rule alone ------------------------------------------------------------------
 
 
-def _choose(ext, prefix, shared=0, cpp=False, asked=None, flash_rows=False):
+def _choose(ext, prefix, shared=0, cpp=False, asked=None, flash_rows=False, invariant=False):
     def shared_prefix(rows):
         if asked is not None:
             asked.append(rows)
         return min(shared, *(prefix[b] for b in rows))
 
-    return [(c.rows, c.kind, c.shared) for c in choose_plan(ext, prefix, shared_prefix, cpp, flash_rows)]
+    return [(c.rows, c.kind, c.shared) for c in choose_plan(ext, prefix, shared_prefix, cpp, flash_rows, invariant)]
+
+
+def test_batch_invariant_steps_are_one_own_keys_group_whatever_their_rows():
+    """With the flag every row of every step, decode, verify or prompt, shared prefix or not,
+    goes to the cascade op with no prefix (one exact loop per query); without the C++ ops the
+    rule is the default's (determinism.gaps reports it)."""
+    for ext, prefix, shared in (([1, 1, 1], [300, 300, 300], 300), ([40], [0], 0), ([1, 4, 200], [80, 80, 0], 80),
+                                ([1000], [0], 0), ([2, 2], [500, 500], 500)):
+        assert _choose(ext, prefix, shared, cpp=True, invariant=True) == [(list(range(len(ext))), PlanKind.CPP_CASCADE, 0)]
+        assert _choose(ext, prefix, shared, cpp=False, invariant=True) == _choose(ext, prefix, shared)
 
 
 def test_rule_without_a_shared_prefix_splits_decode_verify_and_extend_rows():

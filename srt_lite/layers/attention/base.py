@@ -35,9 +35,7 @@ class AttentionConfig:
 class DecoderStackArgs:
     """A step's attention as the C++ decoder stack (srt_lite_cpu::decoder_layers) runs it: each
     row's own slots (`slots`, by q_offsets/k_offsets), and a prefix shared by every row
-    (`prefix_index` from `prefix_start`, `prefix_len` keys; none when prefix_len is 0).
-    `prompt`: every row through the prompt op (batch-invariant inference), `bf16_dot` its
-    dot-product kind."""
+    (`prefix_index` from `prefix_start`, `prefix_len` keys; none when prefix_len is 0)."""
 
     slots: torch.Tensor
     q_offsets: torch.Tensor
@@ -45,8 +43,6 @@ class DecoderStackArgs:
     prefix_start: int = -1
     prefix_len: int = 0
     prefix_index: torch.Tensor | None = None
-    prompt: bool = False
-    bf16_dot: bool = False
 
 
 class AttentionBackend(ABC):

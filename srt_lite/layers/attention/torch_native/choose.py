@@ -141,12 +141,14 @@ def choose_plan(
     group and the short rows beside other groups, the prompt op every group of prompts.
     flash_rows (prompt_rows_in_flash): chunks after a cached prefix and prompts of at least
     FLASH_ROW_MIN_Q tokens instead take torch's flash kernel, one group per row.
-    invariant (batch-invariant inference, with cpp): every row in the C++ prompt op, whose
-    result for a query depends only on the query and its keys, not on the other rows, the
-    cascade's split of the keys or how the prompt was chunked."""
+    invariant (batch-invariant inference, with cpp): every row, decode or prompt, in the C++
+    cascade op with no shared prefix: each query is attended exactly on its own row's keys
+    by the same loop (suffix_row), so its result depends only on the query and its keys,
+    not on the other rows, a cascade's split of the keys, the plan a step's shape would
+    pick or how the prompt was chunked."""
     B = len(ext)
     if invariant and cpp:
-        return [GroupChoice(list(range(B)), PlanKind.CPP_PROMPT, 0)]
+        return [GroupChoice(list(range(B)), PlanKind.CPP_CASCADE, 0)]
 
     def choose(rows: list[int], cpp_: bool, cascade_only: bool = False) -> GroupChoice | None:
         e, p = [ext[b] for b in rows], [prefix[b] for b in rows]

@@ -12,11 +12,10 @@ from typing import TYPE_CHECKING, ClassVar, Iterator
 
 import torch
 
-from srt_lite.layers import batch_invariant
 from srt_lite.layers.attention.base import DecoderStackArgs
 from srt_lite.layers.attention.torch_native.cascade import SharedPrefix
 from srt_lite.layers.attention.torch_native.choose import PlanKind
-from srt_lite.layers.attention.torch_native.plans import CppPromptPlan, Plan
+from srt_lite.layers.attention.torch_native.plans import Plan
 
 if TYPE_CHECKING:
     from srt_lite.layers.radix_attention import RadixAttention
@@ -56,14 +55,6 @@ class StepPlan(ABC):
 @dataclass(frozen=True, eq=False)
 class GroupedStep(StepPlan):
     groups: list[PlanGroup]
-
-    def decoder_stack_args(self) -> DecoderStackArgs | None:
-        # The prompt op attends a whole step only as batch-invariant inference plans it (one
-        # group of every row); other prompt steps keep the Python layers.
-        plan = self.groups[0].plan if len(self.groups) == 1 else None
-        if not (batch_invariant.enabled() and isinstance(plan, CppPromptPlan)):
-            return None
-        return DecoderStackArgs(plan.slots, plan.q_offsets, plan.k_offsets, prompt=True, bf16_dot=plan.bf16_dot)
 
     def run(self, q, k, v, layer, fb, out):
         T, Hkv, D = fb.num_tokens, layer.num_kv_heads, layer.head_dim
