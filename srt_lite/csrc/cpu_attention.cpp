@@ -22,6 +22,7 @@
 #include <atomic>
 #include <cstring>
 #include <optional>
+#include <type_traits>
 #include <utility>
 #include <vector>
 
@@ -163,15 +164,76 @@ void value_chunk(const T* vb, const int64_t* slots, int64_t row_stride, int64_t 
   }
 }
 
+#if defined(CPU_CAPABILITY_AVX512) && defined(__GNUC__)
+#define SRT_LITE_BF16_SCORES 1
+// s[r * ps + j] = scale * (q_r . k_j) for keys j < nmax, in AVX512-BF16 dot products: q_r
+// (qf[r] unscaled, so exact in bf16: the pool's dtype) against each key as it lies in the
+// pool, one horizontal sum per key, then the scale. Half the multiplies of the fp32 loop, and
+// the keys are not widened. DC: D / 32.
+template <int64_t QR, int64_t DC>
+__attribute__((target("avx512f,avx512bw,avx512vl,avx512dq,avx512bf16")))
+void bf16_scores(const float* const* qf, int64_t nmax, const uint16_t* kb, const uint16_t* vb, const int64_t* slots,
+                 int64_t row_stride, float scale, float* s, int64_t ps) {
+  constexpr int64_t D = 32 * DC;
+  __m512bh qb[QR][DC];  // the queries in registers: DC vectors of 32 bf16 each
+  for (int64_t r = 0; r < QR; ++r) {
+    for (int64_t c = 0; c < DC; ++c) qb[r][c] = _mm512_cvtne2ps_pbh(_mm512_loadu_ps(qf[r] + 32 * c + 16), _mm512_loadu_ps(qf[r] + 32 * c));
+  }
+  for (int64_t j = 0; j < nmax; ++j) {
+    const uint16_t* kj = kb + slots[j] * row_stride;
+    if (j + kPrefetchKeys < nmax) {
+      prefetch_head(kb + slots[j + kPrefetchKeys] * row_stride, D * sizeof(uint16_t));
+      prefetch_head(vb + slots[j + kPrefetchKeys] * row_stride, D * sizeof(uint16_t));
+    }
+    __m512 a[QR];
+    for (int64_t r = 0; r < QR; ++r) a[r] = _mm512_setzero_ps();
+    for (int64_t c = 0; c < DC; ++c) {
+      const __m512bh k = (__m512bh)_mm512_loadu_si512(kj + 32 * c);
+      for (int64_t r = 0; r < QR; ++r) a[r] = _mm512_dpbf16_ps(a[r], qb[r][c], k);
+    }
+    for (int64_t r = 0; r < QR; ++r) s[r * ps + j] = _mm512_reduce_add_ps(a[r]) * scale;
+  }
+}
+
+// bf16_scores for a head size D: a multiple of 32 up to 256 (bf16_scores_on).
+template <int64_t QR>
+void bf16_scores_any(const float* const* qf, int64_t nmax, const uint16_t* kb, const uint16_t* vb, const int64_t* slots,
+                     int64_t row_stride, int64_t D, float scale, float* s, int64_t ps) {
+  switch (D / 32) {
+    case 1: return bf16_scores<QR, 1>(qf, nmax, kb, vb, slots, row_stride, scale, s, ps);
+    case 2: return bf16_scores<QR, 2>(qf, nmax, kb, vb, slots, row_stride, scale, s, ps);
+    case 3: return bf16_scores<QR, 3>(qf, nmax, kb, vb, slots, row_stride, scale, s, ps);
+    case 4: return bf16_scores<QR, 4>(qf, nmax, kb, vb, slots, row_stride, scale, s, ps);
+    case 5: return bf16_scores<QR, 5>(qf, nmax, kb, vb, slots, row_stride, scale, s, ps);
+    case 6: return bf16_scores<QR, 6>(qf, nmax, kb, vb, slots, row_stride, scale, s, ps);
+    case 7: return bf16_scores<QR, 7>(qf, nmax, kb, vb, slots, row_stride, scale, s, ps);
+    default: return bf16_scores<QR, 8>(qf, nmax, kb, vb, slots, row_stride, scale, s, ps);
+  }
+}
+#endif
+
+// Whether suffix_row scores a T pool's keys in bf16 dot products (bf16_scores): decided by
+// the dtype, the head size and the CPU alone, never by the batch, so every query of a
+// process is scored the same way.
+template <typename T>
+bool bf16_scores_on(int64_t D) {
+#ifdef SRT_LITE_BF16_SCORES
+  return std::is_same_v<T, c10::BFloat16> && D % 32 == 0 && srt_lite_prefix::bf16_vectors_allowed();
+#else
+  return false;
+#endif
+}
+
 // Softmax attention of QR queries (fp32, pre-scaled, qf[r] [D]) over the first n[r] keys at
 // `slots` of one KV head (kb / vb point at that head's first element; rows row_stride
 // apart). Writes the unnormalised output to acc[r] [D] and returns each query's max score
 // and exp-sum in m[r], l[r]. s: scratch [QR, ps] for the scores, ps >= max n rounded up to W.
 // Keys are read from the pool directly: gathering and widening them first cost more than
-// the arithmetic.
+// the arithmetic. dots (bf16_scores_on): qf is unscaled and the scores are bf16_scores'.
 template <typename T, int64_t QR>
 void attend_queries(const float* const* qf, const int64_t* n, const T* kb, const T* vb, const int64_t* slots,
-                    int64_t row_stride, int64_t D, float* s, int64_t ps, float* const* acc, float* m, float* l) {
+                    int64_t row_stride, int64_t D, float* s, int64_t ps, float* const* acc, float* m, float* l,
+                    bool dots, float scale) {
   constexpr int64_t W = Vec::size();
   int64_t nmax = 0;
   for (int64_t r = 0; r < QR; ++r) nmax = std::max(nmax, n[r]);
@@ -183,7 +245,15 @@ void attend_queries(const float* const* qf, const int64_t* n, const T* kb, const
     prefetch_head(kb + slots[j] * row_stride, D * sizeof(T));
     prefetch_head(vb + slots[j] * row_stride, D * sizeof(T));
   }
-  for (int64_t j = 0; j < nmax; ++j) {
+#ifdef SRT_LITE_BF16_SCORES
+  if constexpr (std::is_same_v<T, c10::BFloat16>) {
+    if (dots) {
+      bf16_scores_any<QR>(qf, nmax, reinterpret_cast<const uint16_t*>(kb), reinterpret_cast<const uint16_t*>(vb), slots,
+                          row_stride, D, scale, s, ps);
+    }
+  }
+#endif
+  for (int64_t j = 0; j < nmax && !dots; ++j) {
     const T* kj = kb + slots[j] * row_stride;
     if (j + kPrefetchKeys < nmax) {
       prefetch_head(kb + slots[j + kPrefetchKeys] * row_stride, D * sizeof(T));
@@ -218,12 +288,13 @@ void attend_queries(const float* const* qf, const int64_t* n, const T* kb, const
 
 template <typename T>
 void attend_any(int64_t qr, const float* const* qf, const int64_t* n, const T* kb, const T* vb, const int64_t* slots,
-                int64_t row_stride, int64_t D, float* s, int64_t ps, float* const* acc, float* m, float* l) {
+                int64_t row_stride, int64_t D, float* s, int64_t ps, float* const* acc, float* m, float* l, bool dots,
+                float scale) {
   switch (qr) {
-    case 1: return attend_queries<T, 1>(qf, n, kb, vb, slots, row_stride, D, s, ps, acc, m, l);
-    case 2: return attend_queries<T, 2>(qf, n, kb, vb, slots, row_stride, D, s, ps, acc, m, l);
-    case 3: return attend_queries<T, 3>(qf, n, kb, vb, slots, row_stride, D, s, ps, acc, m, l);
-    default: return attend_queries<T, 4>(qf, n, kb, vb, slots, row_stride, D, s, ps, acc, m, l);
+    case 1: return attend_queries<T, 1>(qf, n, kb, vb, slots, row_stride, D, s, ps, acc, m, l, dots, scale);
+    case 2: return attend_queries<T, 2>(qf, n, kb, vb, slots, row_stride, D, s, ps, acc, m, l, dots, scale);
+    case 3: return attend_queries<T, 3>(qf, n, kb, vb, slots, row_stride, D, s, ps, acc, m, l, dots, scale);
+    default: return attend_queries<T, 4>(qf, n, kb, vb, slots, row_stride, D, s, ps, acc, m, l, dots, scale);
   }
 }
 
@@ -248,6 +319,7 @@ void suffix_row(
   const bool pre_f32 = o_pre.defined() && o_pre.scalar_type() == at::kFloat;
   const void* pre = o_pre.defined() ? o_pre.data_ptr() : nullptr;
   const float* lse = lse_pre.defined() ? lse_pre.data_ptr<float>() : nullptr;
+  const bool dots = bf16_scores_on<T>(D);
   float* qbuf = scratch;
   float* s = qbuf + kQRows * D;
   float* abuf = s + kQRows * ps;
@@ -263,11 +335,11 @@ void suffix_row(
       toks[r] = q0 + i;
       gs[r] = g;
       n[r] = k - nq + i + 1;  // keys visible to the row's i-th query
-      to_float(qbuf + r * D, qp + toks[r] * q.stride(0) + (h * G + g) * D, D, scale);
+      to_float(qbuf + r * D, qp + toks[r] * q.stride(0) + (h * G + g) * D, D, dots ? 1.f : scale);
       qf[r] = qbuf + r * D;
       acc[r] = abuf + r * D;
     }
-    attend_any<T>(qr, qf, n, kb, vb, slots, row_stride, D, s, ps, acc, m, l);
+    attend_any<T>(qr, qf, n, kb, vb, slots, row_stride, D, s, ps, acc, m, l, dots, scale);
     for (int64_t r = 0; r < qr; ++r) {
       const int64_t tok = toks[r], head = h * G + gs[r], row = tok * G + gs[r];  // row: the query's index in KV head h
       // Softmax over both key sets: the prefix's share of the mass is sigmoid(lse_pre - lse_suf).

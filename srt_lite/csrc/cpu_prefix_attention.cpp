@@ -440,6 +440,8 @@ void allow_kernels(bool tiles, bool vectors) {
   vectors_allowed = vectors;
 }
 
+bool bf16_vectors_allowed() { return vectors_allowed && __builtin_cpu_supports("avx512bf16"); }
+
 bool attention(const at::Tensor& q, int64_t T, int64_t G, const at::Tensor& k_buf, const at::Tensor& v_buf,
                int64_t prefix_start, int64_t prefix_len, const at::Tensor& prefix_index, double scale, at::Tensor& o,
                at::Tensor& lse, Kernel kernel) {

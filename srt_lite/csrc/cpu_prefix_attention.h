@@ -16,6 +16,9 @@ enum class Kernel { kAuto, kTiles, kVectors };
 // when the ops load, so a capped run takes the paths a lesser CPU would.
 void allow_kernels(bool tiles, bool vectors);
 
+// Whether AVX512-BF16 vector products may run here: in the CPU and left by SRT_LITE_CPU_CAPS.
+bool bf16_vectors_allowed();
+
 // Softmax attention of every query of a cascade step over the prefix all its rows share:
 // q [>= T, Hkv * G * D] bf16, the prefix prefix_len slots of k_buf / v_buf [N, Hkv, D] from
 // prefix_start, or the slots prefix_index when prefix_start < 0. Sets o [1, Hkv, T * G, D]
