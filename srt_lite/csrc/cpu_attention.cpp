@@ -303,12 +303,13 @@ void attend_any(int64_t qr, const float* const* qf, const int64_t* n, const T* k
 // here exactly (no padding, no mask: a masked flash call over all rows' suffixes computes B
 // times the pairs), and is merged with its prefix output o_pre / lse_pre by log-sum-exp.
 // The row's nq * G queries go kQRows at a time. Scratch: qf [kQRows, D], s [kQRows, ps],
-// acc [kQRows, D], with ps = k rounded up to the vector width.
+// acc [kQRows, D], with ps = k rounded up to the vector width. dots: bf16_scores_on<T>(D),
+// decided once per call so that every task of a step scores the same way.
 template <typename T>
 void suffix_row(
     const at::Tensor& q, const at::Tensor& k_buf, const at::Tensor& v_buf, const int64_t* slots, int64_t q0,
     int64_t nq, int64_t k, int64_t h, int64_t G, float scale, const at::Tensor& o_pre, const at::Tensor& lse_pre,
-    at::Tensor& out, float* scratch, int64_t ps) {
+    at::Tensor& out, float* scratch, int64_t ps, bool dots) {
   const int64_t D = k_buf.size(2), Hkv = k_buf.size(1), row_stride = Hkv * D;
   const T* kb = k_buf.data_ptr<T>() + h * D;
   const T* vb = v_buf.data_ptr<T>() + h * D;
@@ -319,7 +320,6 @@ void suffix_row(
   const bool pre_f32 = o_pre.defined() && o_pre.scalar_type() == at::kFloat;
   const void* pre = o_pre.defined() ? o_pre.data_ptr() : nullptr;
   const float* lse = lse_pre.defined() ? lse_pre.data_ptr<float>() : nullptr;
-  const bool dots = bf16_scores_on<T>(D);
   float* qbuf = scratch;
   float* s = qbuf + kQRows * D;
   float* abuf = s + kQRows * ps;
@@ -450,6 +450,7 @@ void cascade_attention(
     max_k = std::max(max_k, ko[b + 1] - ko[b]);
   }
   const std::vector<SuffixTask> tasks = suffix_tasks(qo, ko, B, Hkv);
+  const bool dots = dtype == at::kBFloat16 && bf16_scores_on<c10::BFloat16>(D);
   std::atomic<int64_t> next{0};
   const int64_t workers = std::min<int64_t>(at::get_num_threads(), static_cast<int64_t>(tasks.size()));
   at::parallel_for(0, workers, 1, [&](int64_t, int64_t) {
@@ -463,7 +464,7 @@ void cascade_attention(
       const int64_t nq = qo[t.b + 1] - qo[t.b], nk = ko[t.b + 1] - ko[t.b];
       row(
           q, k_buf, v_buf, slots + ko[t.b], qo[t.b] + t.i0, t.i1 - t.i0, nk - nq + t.i1, t.h, G,
-          static_cast<float>(scale), o_pre, lse_pre, out, scratch.data(), ps);
+          static_cast<float>(scale), o_pre, lse_pre, out, scratch.data(), ps, dots);
     }
   });
 }

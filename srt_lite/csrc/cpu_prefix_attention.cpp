@@ -448,7 +448,7 @@ bool attention(const at::Tensor& q, int64_t T, int64_t G, const at::Tensor& k_bu
 #ifdef SRT_LITE_HAVE_AMX
   const int64_t N = k_buf.size(0), Hkv = k_buf.size(1), D = k_buf.size(2);
   const bool can_tile = tiles_allowed && srt_lite_amx::supported();
-  const bool can_vec = vectors_allowed && __builtin_cpu_supports("avx512bf16");
+  const bool can_vec = bf16_vectors_allowed();
   if (kernel == Kernel::kAuto) kernel = can_tile ? Kernel::kTiles : Kernel::kVectors;
   if (!(kernel == Kernel::kTiles ? can_tile : can_vec) || q.scalar_type() != at::kBFloat16 ||
       k_buf.scalar_type() != at::kBFloat16 || D % 32 != 0 || D > 256 || prefix_len <= 0 || T <= 0) {
