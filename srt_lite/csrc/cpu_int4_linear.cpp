@@ -117,6 +117,67 @@ void store_vectors(const Int4Args& a, const float* acc, int64_t panel, int64_t b
   }
 }
 
+// MR rows (one or two) against the vectors [b0, b0 + NB) of a panel, all its groups, into
+// acc [MR, 64] (the panel's sums). With so few rows a group's values serve one or two
+// products, so they are widened in registers instead of through L1, and the sums stay in
+// registers from group to group. The arithmetic is group_step's, in its order (the pairs of
+// a group one after another into one sum per row and vector, then sum * scale + base, then
+// + zero * xsum): a row gets the same bits here as in a tile of any size.
+template <int MR, int NB>
+__attribute__((target("avx512f,avx512bw,avx512vl,avx512bf16")))
+void few_rows(const uint16_t* x, int64_t K, const uint8_t* codes, const float* sz, const float* xsum, int64_t groups,
+              int64_t b0, float* acc) {
+  const __m512i table = _mm512_load_si512(srt_lite_int4::kCodeValues);
+  const __m512i nibble = _mm512_set1_epi16(0xF);
+  __m512 sums[MR][NB];
+  for (int m = 0; m < MR; ++m) {
+    for (int b = 0; b < NB; ++b) sums[m][b] = _mm512_setzero_ps();
+  }
+  for (int64_t g = 0; g < groups; ++g) {
+    const uint8_t* gc = codes + g * kGroupCodeBytes;
+    if (g + kPrefetchGroups < groups) {
+      prefetch_lines(gc + kPrefetchGroups * kGroupCodeBytes, kGroupCodeBytes);
+      prefetch_lines(sz + (g + kPrefetchGroups) * 2 * kPanelRows, 2 * kPanelRows * sizeof(float));
+    }
+    __m512 c[MR][NB];
+    for (int m = 0; m < MR; ++m) {
+      for (int b = 0; b < NB; ++b) c[m][b] = _mm512_setzero_ps();
+    }
+    for (int64_t i = 0; i < kGroupPairs / 2; ++i) {
+      __m512i x0[MR], x1[MR];  // row m's k pairs 2i and 2i + 1, broadcast
+      for (int m = 0; m < MR; ++m) {
+        uint32_t pairs[2];
+        std::memcpy(pairs, x + m * K + g * 32 + 4 * i, sizeof(pairs));
+        x0[m] = _mm512_set1_epi32(static_cast<int>(pairs[0]));
+        x1[m] = _mm512_set1_epi32(static_cast<int>(pairs[1]));
+      }
+      for (int b = 0; b < NB; ++b) {
+        const __m512i cw = _mm512_cvtepu8_epi16(_mm256_loadu_si256(reinterpret_cast<const __m256i*>(gc + (i * 4 + b0 + b) * 32)));
+        const __m512i lo = _mm512_permutexvar_epi16(_mm512_and_si512(cw, nibble), table);  // pair 2i
+        const __m512i hi = _mm512_permutexvar_epi16(_mm512_srli_epi16(cw, 4), table);      // pair 2i + 1
+        for (int m = 0; m < MR; ++m) {
+          c[m][b] = _mm512_dpbf16_ps(c[m][b], (__m512bh)x0[m], (__m512bh)lo);
+          c[m][b] = _mm512_dpbf16_ps(c[m][b], (__m512bh)x1[m], (__m512bh)hi);
+        }
+      }
+    }
+    const float* scale = sz + g * 2 * kPanelRows;
+    for (int b = 0; b < NB; ++b) {
+      const __m512 s = _mm512_loadu_ps(scale + (b0 + b) * 16), z = _mm512_loadu_ps(scale + kPanelRows + (b0 + b) * 16);
+      for (int m = 0; m < MR; ++m) {
+        sums[m][b] = _mm512_fmadd_ps(_mm512_set1_ps(xsum[m * groups + g]), z, _mm512_fmadd_ps(c[m][b], s, sums[m][b]));
+      }
+    }
+  }
+  for (int m = 0; m < MR; ++m) {
+    for (int b = 0; b < NB; ++b) _mm512_storeu_ps(acc + m * kPanelRows + (b0 + b) * 16, sums[m][b]);
+  }
+}
+
+// Rows up to which few_rows takes a chunk: from three rows on, widening a group's values
+// once into L1 for all of them costs less than widening them for each pair of rows.
+constexpr int64_t kFewRows = 2;
+
 // Work units are whole panels (NB = 4), or half panels (NB = 2) when there are too few
 // panels to share between the threads; each group's values serve every tile of rows.
 template <int NB>
@@ -130,6 +191,13 @@ void int4_matmul(const Int4Args& a, int64_t M) {
       alignas(64) static thread_local uint16_t values[4 * kGroupVector];   // [4, 16, 32] bf16 q - 8
       for (int64_t u = begin; u < end; ++u) {
         const int64_t panel = u / parts, b0 = (u % parts) * NB;
+        if (c1 - c0 <= kFewRows) {
+          auto* rows = c1 - c0 == 1 ? &few_rows<1, NB> : &few_rows<2, NB>;
+          rows(a.x + c0 * a.K, a.K, a.codes + panel * groups * kGroupCodeBytes, a.sz + panel * groups * 2 * kPanelRows,
+               a.xsum + c0 * groups, groups, b0, acc);
+          store_vectors(a, acc, panel, b0, NB, c0, c1);
+          continue;
+        }
         for (int64_t g = 0; g < groups; ++g) {
           const int64_t ahead = panel * groups + g + kPrefetchGroups;
           if (ahead < panels * groups) {
