@@ -2,14 +2,15 @@
 
 gguf's own GGUFReader builds a Python object for every element of every metadata array (a
 tokenizer's vocabulary is one), which costs seconds on a large vocabulary; this reader parses
-numeric arrays with numpy and strings with one slice each, and maps the tensor data without
-reading it.
+numeric arrays with numpy, leaves arrays of strings undecoded until they are read, and maps
+the tensor data without reading it.
 """
 
 from __future__ import annotations
 
 import mmap
 import struct
+from collections.abc import Sequence
 from dataclasses import dataclass
 
 import numpy as np
@@ -25,6 +26,9 @@ _SCALARS = {
     4: ("<I", np.uint32), 5: ("<i", np.int32), 6: ("<f", np.float32), 7: ("<?", np.bool_),
     10: ("<Q", np.uint64), 11: ("<q", np.int64), 12: ("<d", np.float64),
 }
+
+
+_U64 = struct.Struct("<Q")
 
 
 class GGUFError(ValueError):
@@ -54,6 +58,35 @@ class GGUFTensor:
         return self.rows * self.type.row_bytes(self.cols)
 
 
+class StringArray(Sequence):
+    """A metadata array of strings, decoded when first read. A vocabulary and its merges are
+    such arrays (hundreds of thousands of strings, about a third of a second to decode), and
+    a load reads neither: the tokenizer is built from the file once, when it is prepared."""
+
+    def __init__(self, buf: memoryview, start: int, count: int):
+        self._buf, self._start, self._count = buf, start, count
+        self._items: list[str] | None = None
+
+    def __len__(self) -> int:
+        return self._count
+
+    def __getitem__(self, i):
+        return self._decoded()[i]
+
+    def __eq__(self, other: object) -> bool:
+        return list(self) == list(other) if isinstance(other, Sequence) else NotImplemented
+
+    def _decoded(self) -> list[str]:
+        if self._items is None:
+            items, pos = [], self._start
+            for _ in range(self._count):
+                (n,) = _U64.unpack_from(self._buf, pos)
+                items.append(bytes(self._buf[pos + 8 : pos + 8 + n]).decode("utf-8", errors="replace"))
+                pos += 8 + n
+            self._items = items
+        return self._items
+
+
 class GGUFFile:
     """Parses the header of `path`; `raw(name)` maps a tensor's bytes."""
 
@@ -81,13 +114,23 @@ class GGUFFile:
         self._pos += n
         return s
 
+    def _strings(self, count: int) -> StringArray:
+        """Steps over `count` strings, keeping where they lie."""
+        start, pos, unpack = self._pos, self._pos, _U64.unpack_from
+        for _ in range(count):
+            pos += 8 + unpack(self._buf, pos)[0]
+        if pos > len(self._buf):
+            raise IndexError("a string array runs past the end of the file")
+        self._pos = pos
+        return StringArray(self._buf, start, count)
+
     def _value(self, vtype: int):
         if vtype == _STRING:
             return self._string()
         if vtype == _ARRAY:
             etype, count = self._read("<I"), self._read("<Q")
             if etype == _STRING:
-                return [self._string() for _ in range(count)]
+                return self._strings(count)
             if etype in _SCALARS:
                 dtype = np.dtype(_SCALARS[etype][1]).newbyteorder("<")
                 arr = np.frombuffer(self._buf, dtype=dtype, count=count, offset=self._pos)

@@ -320,6 +320,23 @@ def test_default_model_file_greedy_text(tokenizer):
     assert greedy(native, prompt, 16) == greedy(plain, prompt, 16)
 
 
+def test_metadata_reads_as_ggufs_own_reader_does():
+    """The default model's metadata as gguf's reader gives it: scalars, numeric arrays, and the
+    vocabulary and merges, which the reader steps over and decodes only when read."""
+    import gguf
+
+    ours, theirs = GGUFFile(default_gguf_path()), gguf.GGUFReader(default_gguf_path())
+    assert set(ours.metadata) == {k for k in theirs.fields if not k.startswith("GGUF.")}
+    for key, field in theirs.fields.items():
+        if key.startswith("GGUF."):
+            continue
+        want = field.contents()
+        got = ours.get(key)
+        assert len(got) == len(want) and list(got) == want if isinstance(want, list) else got == want, key
+    tokens = ours.get("tokenizer.ggml.tokens")
+    assert len(tokens) > 40000 and tokens[0] == theirs.fields["tokenizer.ggml.tokens"].contents(0)
+
+
 def test_unsupported_files_fail_in_one_line(tmp_path):
     from gguf import GGUFWriter
 

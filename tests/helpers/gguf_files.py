@@ -13,7 +13,7 @@ import torch
 from gguf import GGMLQuantizationType, GGUFValueType, GGUFWriter
 
 from srt_lite.model_loader.default_model import default_gguf_path
-from srt_lite.model_loader.gguf_reader import GGUFFile
+from srt_lite.model_loader.gguf_reader import GGUFFile, StringArray
 from srt_lite.model_loader.gguf_types import BY_NAME, random_blocks
 
 # Weight kind -> GGUF type, as llama.cpp's quantizer mixes them (attn_v and ffn_down get
@@ -42,7 +42,8 @@ def _unit_rms(t, gen: torch.Generator) -> float:
 
 def _tokenizer_fields() -> dict:
     f = GGUFFile(default_gguf_path())
-    return {k: v for k, v in f.metadata.items() if k.startswith("tokenizer.")}
+    # Arrays of strings come undecoded (StringArray); the writer takes lists.
+    return {k: list(v) if isinstance(v, StringArray) else v for k, v in f.metadata.items() if k.startswith("tokenizer.")}
 
 
 def write_model(path: str, recipe: str = "Q4_K_M", arch: str = "llama", hidden: int = 256, inter: int = 512,

@@ -18,12 +18,13 @@ import shutil
 import signal
 import threading
 import traceback
+from concurrent.futures import ThreadPoolExecutor
 from typing import Any, Callable
 
 import torch
 
 from srt_lite import cpu_caps, envs
-from srt_lite.constrained import backend_class
+from srt_lite.constrained import GrammarBackend, backend_class
 from srt_lite.constrained.reasoning import ThinkTags
 from srt_lite.distributed.parallel_state import exit_now, exit_together, init_distributed, is_peer_lost
 from srt_lite.managers.io_struct import (
@@ -64,11 +65,25 @@ STOP_GRACE_S = 10.0
 GRAMMAR_POLL_S = 0.005
 
 
+def load_tokenizer_and_grammar(config: ModelConfig, backend_name: str) -> tuple[Any, GrammarBackend | None]:
+    """The tokenizer and the grammar backend built on it (None with --grammar-backend none).
+    On a large vocabulary both are about a second of mostly Python work, so the scheduler
+    runs this on a thread while the model loads, whose reads, repacks and page faults run
+    outside the GIL."""
+    from transformers import AutoTokenizer
+
+    tokenizer = AutoTokenizer.from_pretrained(config.path)
+    backend = backend_class(backend_name)
+    return tokenizer, backend and backend(tokenizer, config.vocab_size, config.eos_token_ids)
+
+
 class Scheduler:
     def __init__(self, server_args: ServerArgs, port_args: PortArgs, tp_rank: int = 0):
         args = self.server_args = server_args
         self.tp_rank = tp_rank
         self.model_config = ModelConfig.load(args.model_path, args.context_length)
+        text_pool = ThreadPoolExecutor(max_workers=1, thread_name_prefix="tokenizer")
+        text_side = text_pool.submit(load_tokenizer_and_grammar, self.model_config, args.grammar_backend)
         self.worker = TpModelWorker(self.model_config, args)
         runner = self.worker.model_runner
         self.device = runner.device
@@ -94,14 +109,9 @@ class Scheduler:
         self.stats = SchedulerStats(
             self.kv, self.running, self.prefill, args.decode_log_interval, self.drafter is not None, tp_rank == 0
         )
-        from transformers import AutoTokenizer
-
-        tokenizer = AutoTokenizer.from_pretrained(self.model_config.path)
-        grammar_backend = backend_class(args.grammar_backend)
-        self.grammars = GrammarManager(
-            grammar_backend and grammar_backend(tokenizer, self.model_config.vocab_size, self.model_config.eos_token_ids),
-            ThinkTags.from_tokenizer(tokenizer) if args.reasoning_parser else None,
-        )
+        tokenizer, grammar_backend = text_side.result()
+        text_pool.shutdown()
+        self.grammars = GrammarManager(grammar_backend, ThinkTags.from_tokenizer(tokenizer) if args.reasoning_parser else None)
         finish = FinishChecker(tokenizer, set(self.model_config.eos_token_ids), self.context_len)
         self.outputs = OutputProcessor(self.kv, self.running, self.io, finish, self.stats, self.drafter)
         self.crash_at_step = envs.TEST_CRASH_AT_STEP.get_int()
