@@ -52,9 +52,11 @@ def _llamacpp_python() -> str:
 def _tokenizer_fields(vocab: int) -> dict:
     """The default model's tokenizer metadata, padded with unused tokens to `vocab`."""
     from srt_lite.model_loader.default_model import default_gguf_path
-    from srt_lite.model_loader.gguf_reader import GGUFFile
+    from srt_lite.model_loader.gguf_reader import GGUFFile, StringArray
 
-    fields = {k: v for k, v in GGUFFile(default_gguf_path()).metadata.items() if k.startswith("tokenizer.")}
+    # Arrays of strings come undecoded (StringArray); the writer takes lists.
+    fields = {k: list(v) if isinstance(v, StringArray) else v
+              for k, v in GGUFFile(default_gguf_path()).metadata.items() if k.startswith("tokenizer.")}
     tokens = list(fields["tokenizer.ggml.tokens"])
     pad = vocab - len(tokens)
     if pad > 0:

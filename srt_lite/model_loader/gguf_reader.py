@@ -70,6 +70,9 @@ class StringArray(Sequence):
     def __len__(self) -> int:
         return self._count
 
+    def __repr__(self) -> str:
+        return f"StringArray({self._count} strings)"
+
     def __getitem__(self, i):
         return self._decoded()[i]
 
@@ -98,7 +101,7 @@ class GGUFFile:
         self._pos = 0
         try:
             self._parse()
-        except (struct.error, IndexError, UnicodeDecodeError) as e:
+        except (struct.error, IndexError, OverflowError, UnicodeDecodeError) as e:
             raise GGUFError(f"{path}: truncated or corrupt GGUF header ({e})") from e
 
     # ---- header ---------------------------------------------------------------------------
