@@ -31,6 +31,12 @@ _SCALARS = {
 _U64 = struct.Struct("<Q")
 
 
+def _read_string(buf: memoryview, pos: int) -> tuple[str, int]:
+    """The GGUF string at `pos` (a uint64 byte count, then UTF-8) and the position after it."""
+    (n,) = _U64.unpack_from(buf, pos)
+    return bytes(buf[pos + 8 : pos + 8 + n]).decode("utf-8", errors="replace"), pos + 8 + n
+
+
 class GGUFError(ValueError):
     """A file that is not a GGUF file this reader can parse; the message names the problem."""
 
@@ -83,9 +89,8 @@ class StringArray(Sequence):
         if self._items is None:
             items, pos = [], self._start
             for _ in range(self._count):
-                (n,) = _U64.unpack_from(self._buf, pos)
-                items.append(bytes(self._buf[pos + 8 : pos + 8 + n]).decode("utf-8", errors="replace"))
-                pos += 8 + n
+                item, pos = _read_string(self._buf, pos)
+                items.append(item)
             self._items = items
         return self._items
 
@@ -112,9 +117,7 @@ class GGUFFile:
         return value
 
     def _string(self) -> str:
-        n = self._read("<Q")
-        s = bytes(self._buf[self._pos : self._pos + n]).decode("utf-8", errors="replace")
-        self._pos += n
+        s, self._pos = _read_string(self._buf, self._pos)
         return s
 
     def _strings(self, count: int) -> StringArray:
