@@ -789,6 +789,7 @@ void unpack_row(int64_t type, const uint8_t* group, int64_t K, int64_t r, uint8_
 
 #if defined(CPU_CAPABILITY_AVX512) && defined(__GNUC__)
 constexpr int kPackedRowTile = 4;  // rows of x a pass over a packed group keeps in registers
+constexpr int64_t kQ80PrefetchAhead = 4;  // Q8_0 blocks (8.5 lines each) between a prefetch and its use
 
 inline __m512i bcast4(const int8_t* p) {  // 4 bytes of x in every lane
   int32_t v;
@@ -798,6 +799,16 @@ inline __m512i bcast4(const int8_t* p) {  // 4 bytes of x in every lane
 
 inline __m512 halves16(const uint8_t* p) {  // 16 fp16 values to fp32
   return _mm512_cvtph_ps(_mm256_loadu_si256(reinterpret_cast<const __m256i*>(p)));
+}
+
+// kLines cache lines from p on, asked for ahead of use. A packed group is read once, in order,
+// and between its loads the kernels spend enough time on dot products that the hardware
+// prefetcher does not keep the next block coming: with a few rows of x the products waited on
+// memory for much of their time. The K-quant kernels ask, a slice per step, for the block after
+// the one they work on; Q8_0's blocks are short, so its kernel asks a few blocks ahead.
+template <int kLines>
+inline void prefetch_lines(const uint8_t* p) {
+  for (int i = 0; i < kLines; ++i) _mm_prefetch(reinterpret_cast<const char*>(p + 64 * i), _MM_HINT_T0);
 }
 
 // The three kernels below take a weight vector once and then meet it with every row of x
@@ -820,6 +831,7 @@ void packed_q4k(const uint8_t* group, int64_t K, const QuantizedX& xq, int64_t m
     __m512i isum[MR], imin[MR];
     for (int m = 0; m < MR; ++m) isum[m] = imin[m] = _mm512_setzero_si512();
     for (int c = 0; c < 4; ++c) {
+      prefetch_lines<10>(in + 2368 + 640 * c);  // the next block's 37 lines, over 4 chunks
       const int8_t* q[MR];
       __m512i a0[MR], a1[MR];
       for (int m = 0; m < MR; ++m) {
@@ -870,6 +882,7 @@ void packed_q6k(const uint8_t* group, int64_t K, const QuantizedX& xq, int64_t m
     for (int m = 0; m < MR; ++m) isum[m] = corr[m] = _mm512_setzero_si512();
     for (int n = 0; n < 2; ++n) {
       for (int h = 0; h < 2; ++h) {  // weights 128n + 32i + 16h + [0, 16), group 8n + 2i + h
+        prefetch_lines<14>(in + 3360 + 896 * (2 * n + h));  // the next block's 53 lines, over 4 steps
         const int8_t* q[MR];
         __m512i a[MR][4];
         for (int m = 0; m < MR; ++m) {
@@ -923,6 +936,7 @@ void packed_q80(const uint8_t* group, int64_t K, const QuantizedX& xq, int64_t m
   for (int m = 0; m < MR; ++m) acc[m] = _mm512_setzero_ps();
   for (int64_t b = 0; b < K / 32; ++b) {
     const uint8_t* in = group + b * 544;
+    prefetch_lines<9>(in + kQ80PrefetchAhead * 544);
     const int8_t* q[MR];
     __m512i a0[MR], a1[MR];
     for (int m = 0; m < MR; ++m) {
