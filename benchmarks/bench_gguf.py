@@ -15,8 +15,8 @@ $LLAMACPP_PYTHON, default .bench-venvs/llama/bin/python) turns each into Q4_K_M 
 requests alternately to each (so the host's drift hits both alike): greedy completions of a
 fixed prompt, 64 tokens less 1 token (decode tok/s with the prefill cancelled; no logit_bias:
 llama-cpp-python applies it in Python, and the token counts are reported), and a ~512-token
-prompt with one output token (prefill). Then 4 and 8 concurrent 64-token streams on srt_lite
-alone. Reports each server's start time and memory (PSS summed over its processes), and the
+prompt with one output token (prefill), then 4 and 8 concurrent 64-token streams on srt_lite
+alone (medians over the rounds; each round's figures are in the output too). Reports each server's start time and memory (PSS summed over its processes), and the
 roofline fraction of single-stream decode against the best read bandwidth measured here
 (the file's tensor bytes per token).
 """
@@ -257,6 +257,14 @@ async def single_stream(client: httpx.AsyncClient, base: str, model: str, max_to
     return {"rate": (n - 1) / max(tn - t1, 1e-9), "tokens": n, "ttft": t1}
 
 
+async def concurrent_streams(client: httpx.AsyncClient, base: str, model: str, streams: int, rnd: int) -> float:
+    """Aggregate tok/s of `streams` 64-token completions sent at once (prompts new to the
+    radix cache past the shared instruction, so each round prefills them as the first did)."""
+    t0 = time.perf_counter()
+    res = await asyncio.gather(*(complete(client, base, model, f"{PROMPT} ({rnd}.{i})", 64) for i in range(streams)))
+    return sum(n for _, n in res) / (time.perf_counter() - t0)
+
+
 async def run_async(args) -> dict:
     model_file = os.path.abspath(args.file)
     threads = os.cpu_count() or 1
@@ -277,18 +285,20 @@ async def run_async(args) -> dict:
                 await complete(client, s.base, names[n], f"0 {long_prompt}", 1)
             single = {n: [] for n in servers}
             prefill = {n: [] for n in servers}
+            many: dict[int, list[float]] = {4: [], 8: []}
             for rnd in range(args.rounds):
                 for n, s in servers.items():
                     single[n].append(await single_stream(client, s.base, names[n], 64))
                     prefill[n].append((await complete(client, s.base, names[n], f"{rnd + 1} {long_prompt}", 1))[0])
+                for streams in many:  # in every round, so that the host's drift meets them as it meets one stream
+                    many[streams].append(await concurrent_streams(client, srt.base, names["srt_lite"], streams, rnd))
             out["single_tok_s"] = {n: statistics.median(r["rate"] for r in v) for n, v in single.items()}
+            out["single_tok_s_rounds"] = {n: [round(r["rate"], 2) for r in v] for n, v in single.items()}
             out["single_tokens"] = {n: [r["tokens"] for r in v] for n, v in single.items()}
             out["prefill_512_s"] = {n: statistics.median(v) for n, v in prefill.items()}
-            for streams in (4, 8):
-                t0 = time.perf_counter()
-                res = await asyncio.gather(*(complete(client, srt.base, names["srt_lite"], f"{PROMPT} ({i})", 64)
-                                             for i in range(streams)))
-                out[f"srt_lite_{streams}_streams_tok_s"] = sum(n for _, n in res) / (time.perf_counter() - t0)
+            for streams, rates in many.items():
+                out[f"srt_lite_{streams}_streams_tok_s"] = statistics.median(rates)
+                out[f"srt_lite_{streams}_streams_tok_s_rounds"] = [round(r, 2) for r in rates]
             out["pss_gib"] = {n: s.pss_gib() for n, s in servers.items()}
     finally:
         for s in servers.values():
