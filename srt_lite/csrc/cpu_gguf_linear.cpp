@@ -18,6 +18,8 @@
 
 #include <ATen/ATen.h>
 #include <ATen/Parallel.h>
+#include <ATen/cpu/vec/functional.h>
+#include <ATen/cpu/vec/vec.h>
 #include <c10/util/Half.h>
 #include <torch/library.h>
 
@@ -1021,8 +1023,47 @@ Parts check_parts(const at::TensorList weights, at::IntArrayRef types, int64_t K
 // Whether a part reads x quantized per 256 (the K-quants' super-block products) or per 32.
 bool reads_x256(int64_t type) { return is_k_type(type % kPacked) && (is_packed(type) || g_allow_vnni); }
 
-// y [M, N] fp32 through integer dot products, 16 outputs a task.
-void dot_linear(const at::Tensor& x, const Parts& parts, float* y) {
+// out[0, 16) = sums[0, 16) (+ bias) in out's dtype, rounded to bf16 as at::BFloat16 rounds
+// (the same vector conversion a tensor's .to() takes).
+template <typename T>
+void write16(const float* sums, const float* bias, T* out) {
+  using FVec = at::vec::Vectorized<float>;
+  float with_bias[kGroup];
+  if (bias) {
+    for (int64_t j = 0; j < kGroup; ++j) with_bias[j] = sums[j] + bias[j];
+    sums = with_bias;
+  }
+  if constexpr (std::is_same_v<T, float>) {
+    std::memcpy(out, sums, kGroup * sizeof(float));
+  } else if constexpr (FVec::size() == 16) {
+    at::vec::convert_from_float<T>(FVec::loadu(sums), FVec(0.f)).store(out, kGroup);
+  } else if constexpr (FVec::size() == 8) {
+    at::vec::convert_from_float<T>(FVec::loadu(sums), FVec::loadu(sums + 8)).store(out, kGroup);
+  } else {
+    for (int64_t j = 0; j < kGroup; ++j) out[j] = static_cast<T>(sums[j]);
+  }
+}
+
+// Rows [0, M) of outputs [n0, n0 + n) from a task's sums [M, 16] into y [M, N] (+ bias[n0..]).
+template <typename T>
+void write_task(const float* sums, int64_t M, int64_t n0, int64_t n, const float* bias, T* y, int64_t N) {
+  for (int64_t m = 0; m < M; ++m) {
+    if (n == kGroup) {
+      write16(sums + m * kGroup, bias ? bias + n0 : nullptr, y + m * N + n0);
+      continue;
+    }
+    for (int64_t j = 0; j < n; ++j) {  // a part's last rows, fewer than a task's 16
+      const float v = bias ? sums[m * kGroup + j] + bias[n0 + j] : sums[m * kGroup + j];
+      y[m * N + n0 + j] = static_cast<T>(v);
+    }
+  }
+}
+
+// y [M, N] (fp32 or bf16) = x . W^T (+ bias) through integer dot products, 16 outputs a task.
+// A task's sums land in its thread's fp32 scratch [M, 16] and are written out from there, the
+// bias added and bf16 rounded on the way: a pass of its own over y for each would cost as
+// much as a small product's arithmetic, as one more op a linear.
+void dot_linear(const at::Tensor& x, const Parts& parts, const float* bias, at::Tensor& y) {
   const int64_t M = x.size(0), K = x.size(1);
   QuantizedX xq;
   xq.Kp = (K + kMaxUnit - 1) / kMaxUnit * kMaxUnit;
@@ -1051,21 +1092,28 @@ void dot_linear(const at::Tensor& x, const Parts& parts, float* y) {
   const int64_t threads = std::min<int64_t>(at::get_num_threads(), count);
   const int64_t run = std::max<int64_t>(1, count / (8 * std::max<int64_t>(threads, 1)));
   std::atomic<int64_t> next{0};
+  const bool bf16_out = y.scalar_type() == at::kBFloat16;
   at::parallel_for(0, threads, 1, [&](int64_t, int64_t) {
+    std::vector<float> sums(M * kGroup);  // [M, 16]: the task's outputs before they are written
     for (int64_t begin = next.fetch_add(run); begin < count; begin = next.fetch_add(run)) {
       for (int64_t i = begin; i < std::min(count, begin + run); ++i) {
         const Task& t = tasks[i];
         const int64_t type = types[t.p], n0 = parts.first[t.p] + t.r0;
         if (is_packed(type)) {
-          packed_rows(type % kPacked, parts.data[t.p] + t.r0 / kGroup * parts.row_bytes[t.p], K, xq, M, y + n0,
-                      parts.N);
-          continue;
-        }
-        for (int64_t r = 0; r < t.rows; ++r) {
-          const uint8_t* row = parts.data[t.p] + (t.r0 + r) * parts.row_bytes[t.p];
-          for (int64_t m0 = 0; m0 < M; m0 += kRowTile) {
-            dot_rows(type, row, K, xq, m0, std::min(kRowTile, M - m0), y + n0 + r, parts.N);
+          packed_rows(type % kPacked, parts.data[t.p] + t.r0 / kGroup * parts.row_bytes[t.p], K, xq, M, sums.data(),
+                      kGroup);
+        } else {
+          for (int64_t r = 0; r < t.rows; ++r) {
+            const uint8_t* row = parts.data[t.p] + (t.r0 + r) * parts.row_bytes[t.p];
+            for (int64_t m0 = 0; m0 < M; m0 += kRowTile) {
+              dot_rows(type, row, K, xq, m0, std::min(kRowTile, M - m0), sums.data() + r, kGroup);
+            }
           }
+        }
+        if (bf16_out) {
+          write_task(sums.data(), M, n0, t.rows, bias, y.data_ptr<at::BFloat16>(), parts.N);
+        } else {
+          write_task(sums.data(), M, n0, t.rows, bias, y.data_ptr<float>(), parts.N);
         }
       }
     }
@@ -1106,23 +1154,23 @@ at::Tensor gguf_linear(const at::Tensor& x, at::TensorList weights, at::IntArray
   const Parts parts = check_parts(weights, types, K);
   const bool has_bias = bias.has_value() && bias->defined();
   TORCH_CHECK(!has_bias || bias->numel() == parts.N, "gguf_linear: bias must be [N]");
-  at::Tensor y;
   if (M <= dot_rows) {
-    y = at::empty({M, parts.N}, xc.options().dtype(at::kFloat));  // [M, N]
-    if (M > 0) dot_linear(xc, parts, y.data_ptr<float>());
-  } else {
-    const auto mm_dtype = mm_bf16 ? at::kBFloat16 : at::kFloat;
-    const at::Tensor xm = xc.to(mm_dtype);
-    y = at::empty({M, parts.N}, xc.options().dtype(mm_dtype));  // [M, N]
-    const int64_t slab = std::max<int64_t>(16, kSlabBytes / (K * (mm_bf16 ? 2 : 4)));
-    at::Tensor w = at::empty({std::min(slab, parts.N), K}, xc.options().dtype(mm_dtype));  // [slab, K]
-    for (int64_t n0 = 0; n0 < parts.N; n0 += slab) {
-      const int64_t rows = std::min(slab, parts.N - n0);
-      at::Tensor ws = w.narrow(0, 0, rows);
-      dequantize_rows(parts, K, n0, rows, ws);
-      at::Tensor ys = y.narrow(1, n0, rows);  // a strided column slab, written in place
-      at::mm_out(ys, xm, ws.t());
-    }
+    const at::Tensor b = has_bias ? bias->to(at::kFloat).contiguous() : at::Tensor();
+    at::Tensor y = at::empty({M, parts.N}, xc.options());  // [M, N] in x's dtype
+    if (M > 0) dot_linear(xc, parts, has_bias ? b.data_ptr<float>() : nullptr, y);
+    return y;
+  }
+  const auto mm_dtype = mm_bf16 ? at::kBFloat16 : at::kFloat;
+  const at::Tensor xm = xc.to(mm_dtype);
+  at::Tensor y = at::empty({M, parts.N}, xc.options().dtype(mm_dtype));  // [M, N]
+  const int64_t slab = std::max<int64_t>(16, kSlabBytes / (K * (mm_bf16 ? 2 : 4)));
+  at::Tensor w = at::empty({std::min(slab, parts.N), K}, xc.options().dtype(mm_dtype));  // [slab, K]
+  for (int64_t n0 = 0; n0 < parts.N; n0 += slab) {
+    const int64_t rows = std::min(slab, parts.N - n0);
+    at::Tensor ws = w.narrow(0, 0, rows);
+    dequantize_rows(parts, K, n0, rows, ws);
+    at::Tensor ys = y.narrow(1, n0, rows);  // a strided column slab, written in place
+    at::mm_out(ys, xm, ws.t());
   }
   if (has_bias) y.add_(*bias);
   return y.scalar_type() == x.scalar_type() ? y : y.to(x.scalar_type());

@@ -123,6 +123,26 @@ def test_dot_products_equal_int8_activations_exactly(name):
 
 
 @pytest.mark.skipif(not cpu_kernels.load(), reason="the C++ ops do not build here")
+@pytest.mark.parametrize("name", gguf_types.QUANTIZED)
+def test_bf16_products_are_the_fp32_sums_rounded(name):
+    """The dot products write bf16 outputs themselves (bias added, then rounded): bit for bit
+    the fp32 product of the same x plus the bias, rounded as a tensor's .to(bfloat16) rounds,
+    for packed and unpacked parts and a part whose last task has fewer than 16 rows."""
+    t = gguf_types.BY_NAME[name]
+    g = torch.Generator().manual_seed(6)
+    k = 512
+    raw = gguf_types.random_blocks(t, 56, k, g)
+    weight = GGUFWeight([(t, raw[:32]), (t, raw[32:56])], k)  # 24 rows: a task of 16, one of 8
+    bias = torch.randn(56, generator=g).bfloat16()
+    for rows in (1, 5, DOT_ROWS):
+        x = torch.randn(rows, k, generator=g).bfloat16()
+        for b in (None, bias):
+            want = weight.forward(x.float(), None if b is None else b.float()).bfloat16()
+            got = weight.forward(x, b)
+            assert got.dtype == torch.bfloat16 and torch.equal(got, want), (rows, b is None)
+
+
+@pytest.mark.skipif(not cpu_kernels.load(), reason="the C++ ops do not build here")
 @pytest.mark.parametrize("name", PACKED_TYPES)
 def test_packed_groups_keep_every_bit(name):
     """A repacked weight (16 rows interleaved) unpacks to the file's blocks exactly: its
