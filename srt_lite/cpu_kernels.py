@@ -56,23 +56,27 @@ def _build() -> bool:
     if envs.DISABLE_CPU_KERNELS.is_set():
         return False
     t0 = time.perf_counter()
+    level = cpu_caps.get().level
     try:
-        from torch.utils import cpp_extension
-
-        _ninja_on_path()
-        level = cpu_caps.get().level
-        # One folder per build (torch, CPU level, sources and their place): two installs of
-        # srt_lite on one machine each keep their own copy instead of rebuilding each other's.
+        # One folder per build (torch, CPU level, flags, sources and their place): two
+        # installs of srt_lite on one machine each keep their own copy instead of rebuilding
+        # each other's.
         build_dir = os.path.join(cache_root(), "torch_extensions", f"cpu_ops-{build_tag()}")
-        os.makedirs(build_dir, exist_ok=True)
-        # -ffp-contract=off: the elementwise ops round each product as the torch ops they
-        # replace do; a fused multiply-add would skip a rounding (the vector kernels call
-        # their FMAs explicitly).
-        cpp_extension.load(
-            name="srt_lite_cpu", sources=SOURCES, build_directory=build_dir,
-            extra_cflags=["-O3", "-fopenmp", "-ffp-contract=off", *VEC_FLAGS.get(level, [])], extra_ldflags=["-fopenmp"],
-            is_python_module=False, verbose=False,
-        )
+        built = os.path.join(build_dir, "srt_lite_cpu.so")
+        if os.path.exists(built) and not os.path.exists(os.path.join(build_dir, "lock")):
+            # A finished build of these very sources and flags (the folder's name says so):
+            # cpp_extension.load would import setuptools and run ninja to learn that, a part
+            # of every start, and rebuild a source whose text is the same but whose mtime moved.
+            torch.ops.load_library(built)
+        else:
+            from torch.utils import cpp_extension
+
+            _ninja_on_path()
+            os.makedirs(build_dir, exist_ok=True)
+            cpp_extension.load(
+                name="srt_lite_cpu", sources=SOURCES, build_directory=build_dir,
+                extra_cflags=_cflags(level), extra_ldflags=["-fopenmp"], is_python_module=False, verbose=False,
+            )
     except Exception as e:  # no compiler or ninja: the torch ops path is always there
         reason = str(e).splitlines()[0] if str(e) else type(e).__name__
         logger.warning("C++ CPU kernels unavailable, using torch ops (%s)", reason)
@@ -93,12 +97,20 @@ def bf16_dots_available() -> bool:
     return cpu_caps.get().avx512_bf16 and load() and torch.ops.srt_lite_cpu.bf16_gemv_supported()
 
 
+def _cflags(level: str) -> list[str]:
+    # -ffp-contract=off: the elementwise ops round each product as the torch ops they replace
+    # do; a fused multiply-add would skip a rounding (the vector kernels call their FMAs
+    # explicitly).
+    return ["-O3", "-fopenmp", "-ffp-contract=off", *VEC_FLAGS.get(level, [])]
+
+
 def build_tag() -> str:
-    """Names this build of the ops: torch version, CPU level and a hash of the sources and
-    their folder."""
+    """Names this build of the ops: torch version, CPU level and a hash of the flags, the
+    sources and their folder."""
     import hashlib
 
     digest = hashlib.sha256(_CSRC.encode())
+    digest.update(" ".join(_cflags(cpu_caps.get().level)).encode())
     for path in SOURCES + HEADERS:
         with open(path, "rb") as f:
             digest.update(f.read())

@@ -1006,6 +1006,20 @@ def test_compiled_graphs_are_cached_per_build_of_the_ops(monkeypatch, tmp_path):
     assert os.environ["TORCHINDUCTOR_CACHE_DIR"] == str(tmp_path / "mine")
 
 
+@pytest.mark.skipif(not cpu_kernels.load(), reason="the C++ ops do not build here")
+def test_a_finished_build_loads_without_cpp_extension(monkeypatch):
+    """A build folder that holds this build's library is loaded as it is (cpp_extension, with
+    its setuptools import and ninja run, is not needed), and other compiler flags name
+    another folder, so that a change of flags never loads the old library."""
+    code = "import sys; sys.modules['torch.utils.cpp_extension'] = None\nfrom srt_lite import cpu_kernels\nprint(cpu_kernels.load())"
+    r = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=300)
+    assert r.stdout.strip() == "True", r.stderr[-2000:]
+    tag = cpu_kernels.build_tag()
+    level = cpu_caps.get().level
+    monkeypatch.setitem(cpu_kernels.VEC_FLAGS, level, [*cpu_kernels.VEC_FLAGS.get(level, []), "-DSRT_LITE_TEST_FLAG"])
+    assert cpu_kernels.build_tag() != tag
+
+
 @pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float16, torch.float32])
 @pytest.mark.parametrize("rows", [1, 5, 64])
 def test_elementwise_ops_round_as_the_torch_ops(dtype, rows):
