@@ -16,9 +16,10 @@ requests alternately to each (so the host's drift hits both alike): greedy compl
 fixed prompt, 64 tokens less 1 token (decode tok/s with the prefill cancelled; no logit_bias:
 llama-cpp-python applies it in Python, and the token counts are reported), and a ~512-token
 prompt with one output token (prefill), then 4 and 8 concurrent 64-token streams on srt_lite
-alone (medians over the rounds; each round's figures are in the output too). Reports each server's start time and memory (PSS summed over its processes), and the
-roofline fraction of single-stream decode against the best read bandwidth measured here
-(the file's tensor bytes per token).
+alone (medians over the rounds; each round's figures are in the output too). Reports each
+server's start time and memory (PSS summed over its processes), and the roofline fraction
+of single-stream decode against the best read bandwidth measured here (the file's tensor
+bytes per token).
 """
 
 from __future__ import annotations
