@@ -11,7 +11,9 @@
 // At few rows (decode) x is quantized per 32 values to int8 with a float scale, as llama.cpp
 // does with its q8 activations, and each 32 weights meet each row in one integer dot
 // product: x . w = dx * (a * sum(code * qx) + b * sum(qx)), the sum(qx) of each 16 values
-// computed once with the quantization. Each output's units are added in order, whatever the
+// computed once with the quantization. The K-quants take x per 256 values (llama.cpp's q8_K)
+// instead and sum a whole super-block in integers, its 6- or 8-bit scales included, before
+// one float multiply-add. Each output's units are added in order, whatever the
 // number of rows, so a row's result does not depend on the other rows of its batch.
 // At many rows (prefill) the weights are dequantized a slab of outputs at a time into the
 // matmul's dtype and go through at::mm, whose speed there beats any integer dot loop.
@@ -140,6 +142,39 @@ inline __m256i bits_to_bytes(const uint8_t* p) {
                                         _mm256_set1_epi64x(0x7fbfdfeff7fbfdfe));
   return _mm256_cmpeq_epi8(bytes, _mm256_set1_epi64x(-1));
 }
+
+// The 256 codes (unsigned, 0..63) of a Q4_K, Q5_K or Q6_K super-block in weight order, 32 a
+// vector.
+inline void k_codes(int64_t type, const uint8_t* blk, __m256i w[8]) {
+  const __m256i m4 = _mm256_set1_epi8(0xF);
+  if (type == kQ6_K) {  // 4 low bits in ql (blk), 2 high bits in qh (blk + 128)
+    const __m256i m30 = _mm256_set1_epi8(0x30);
+    for (int h = 0; h < 2; ++h) {
+      const __m256i l0 = load32(blk + 64 * h), l1 = load32(blk + 64 * h + 32), hb = load32(blk + 128 + 32 * h);
+      w[4 * h] = _mm256_or_si256(_mm256_and_si256(l0, m4), _mm256_and_si256(_mm256_slli_epi16(hb, 4), m30));
+      w[4 * h + 1] = _mm256_or_si256(_mm256_and_si256(l1, m4), _mm256_and_si256(_mm256_slli_epi16(hb, 2), m30));
+      w[4 * h + 2] = _mm256_or_si256(_mm256_and_si256(_mm256_srli_epi16(l0, 4), m4), _mm256_and_si256(hb, m30));
+      w[4 * h + 3] = _mm256_or_si256(_mm256_and_si256(_mm256_srli_epi16(l1, 4), m4),
+                                     _mm256_and_si256(_mm256_srli_epi16(hb, 2), m30));
+    }
+    return;
+  }
+  const bool five = type == kQ5_K;
+  const uint8_t* qs = blk + (five ? 48 : 16);
+  const __m256i hv = five ? load32(blk + 16) : _mm256_setzero_si256();
+  for (int c = 0; c < 4; ++c) {  // 32 bytes: the low nibbles are weights 64c.., the high 64c + 32..
+    const __m256i v = load32(qs + 32 * c);
+    __m256i lo = _mm256_and_si256(v, m4), hi = _mm256_and_si256(_mm256_srli_epi16(v, 4), m4);
+    if (five) {
+      const __m256i bl = _mm256_set1_epi8(static_cast<char>(1 << (2 * c))), bh = _mm256_set1_epi8(static_cast<char>(2 << (2 * c)));
+      const __m256i fifth = _mm256_set1_epi8(0x10);
+      lo = _mm256_or_si256(lo, _mm256_and_si256(_mm256_cmpeq_epi8(_mm256_and_si256(hv, bl), bl), fifth));
+      hi = _mm256_or_si256(hi, _mm256_and_si256(_mm256_cmpeq_epi8(_mm256_and_si256(hv, bh), bh), fifth));
+    }
+    w[2 * c] = lo;
+    w[2 * c + 1] = hi;
+  }
+}
 #endif
 
 // The codes of one 32-weight block of Q4_0 / Q4_1 / Q5_0 / Q5_1: low nibbles first, the
@@ -198,25 +233,14 @@ GGUF_READ_INLINE void read_small_blocks(int64_t type, const uint8_t* row, int64_
 GGUF_READ_INLINE void read_k4_block(int64_t type, const uint8_t* row, int64_t k0, Unit& u) {
   const uint8_t* blk = row + (k0 / 256) * (type == kQ5_K ? 176 : 144);
   const float d = half_at(blk), dmin = half_at(blk + 2);
+#if defined(__AVX2__)
+  __m256i w[8];
+  k_codes(type, blk, w);
+  for (int i = 0; i < 8; ++i) store32(u.codes + 32 * i, w[i]);
+#else
+  // 64 weights at a time: the low nibbles of 32 bytes, then their high nibbles.
   const uint8_t* qh = blk + 16;
   const uint8_t* qs = blk + (type == kQ5_K ? 48 : 16);
-  // 64 weights at a time: the low nibbles of 32 bytes, then their high nibbles.
-#if defined(__AVX2__)
-  const __m256i m4 = _mm256_set1_epi8(0xF);
-  const __m256i hv = type == kQ5_K ? load32(qh) : _mm256_setzero_si256();
-  for (int c = 0; c < 4; ++c) {
-    const __m256i v = load32(qs + 32 * c);
-    __m256i lo = _mm256_and_si256(v, m4), hi = _mm256_and_si256(_mm256_srli_epi16(v, 4), m4);
-    if (type == kQ5_K) {
-      const __m256i bl = _mm256_set1_epi8(static_cast<char>(1 << (2 * c))), bh = _mm256_set1_epi8(static_cast<char>(2 << (2 * c)));
-      const __m256i five = _mm256_set1_epi8(0x10);
-      lo = _mm256_or_si256(lo, _mm256_and_si256(_mm256_cmpeq_epi8(_mm256_and_si256(hv, bl), bl), five));
-      hi = _mm256_or_si256(hi, _mm256_and_si256(_mm256_cmpeq_epi8(_mm256_and_si256(hv, bh), bh), five));
-    }
-    store32(u.codes + 64 * c, lo);
-    store32(u.codes + 64 * c + 32, hi);
-  }
-#else
   for (int c = 0; c < 4; ++c) {
     for (int l = 0; l < 32; ++l) {
       uint8_t lo = qs[32 * c + l] & 0xF, hi = qs[32 * c + l] >> 4;
@@ -235,21 +259,17 @@ GGUF_READ_INLINE void read_k4_block(int64_t type, const uint8_t* row, int64_t k0
 // Q6_K: one super-block of 16 x 16 weights, 4 low and 2 high bits a code.
 GGUF_READ_INLINE void read_q6k_block(const uint8_t* row, int64_t k0, Unit& u) {
   const uint8_t* blk = row + (k0 / 256) * 210;
-  const uint8_t* ql = blk;
-  const uint8_t* qh = blk + 128;
   const int8_t* sc = reinterpret_cast<const int8_t*>(blk + 192);
   const float d = half_at(blk + 208);
+#if defined(__AVX2__)
+  __m256i w[8];
+  k_codes(kQ6_K, blk, w);
+  for (int i = 0; i < 8; ++i) store32(u.codes + 32 * i, w[i]);
+#else
+  const uint8_t* ql = blk;
+  const uint8_t* qh = blk + 128;
   for (int h = 0; h < 2; ++h) {
     uint8_t* c = u.codes + 128 * h;
-#if defined(__AVX2__)
-    const __m256i l0 = load32(ql + 64 * h), l1 = load32(ql + 64 * h + 32), hb = load32(qh + 32 * h);
-    const __m256i m4 = _mm256_set1_epi8(0xF), m30 = _mm256_set1_epi8(0x30);
-    store32(c, _mm256_or_si256(_mm256_and_si256(l0, m4), _mm256_and_si256(_mm256_slli_epi16(hb, 4), m30)));
-    store32(c + 32, _mm256_or_si256(_mm256_and_si256(l1, m4), _mm256_and_si256(_mm256_slli_epi16(hb, 2), m30)));
-    store32(c + 64, _mm256_or_si256(_mm256_and_si256(_mm256_srli_epi16(l0, 4), m4), _mm256_and_si256(hb, m30)));
-    store32(c + 96, _mm256_or_si256(_mm256_and_si256(_mm256_srli_epi16(l1, 4), m4),
-                                    _mm256_and_si256(_mm256_srli_epi16(hb, 2), m30)));
-#else
     const uint8_t* l4 = ql + 64 * h;
     const uint8_t* h2 = qh + 32 * h;
     for (int l = 0; l < 32; ++l) {
@@ -258,8 +278,8 @@ GGUF_READ_INLINE void read_q6k_block(const uint8_t* row, int64_t k0, Unit& u) {
       c[l + 64] = (l4[l] >> 4) | (((h2[l] >> 4) & 3) << 4);
       c[l + 96] = (l4[l + 32] >> 4) | (((h2[l] >> 6) & 3) << 4);
     }
-#endif
   }
+#endif
 #if defined(__AVX2__)
   const __m128i s8 = _mm_loadu_si128(reinterpret_cast<const __m128i*>(sc));
   const __m256 dv = _mm256_set1_ps(d), m32 = _mm256_set1_ps(-32.f);
@@ -297,7 +317,6 @@ void read_unit(int64_t type, const uint8_t* row, int64_t k0, int64_t n, Unit& u)
 // The run of weights read at a time from a row: a super-block, or up to 8 small blocks.
 inline int64_t run_length(int64_t K, int64_t k0) { return std::min<int64_t>(kMaxUnit, K - k0); }
 
-// One weight row [K] to float.
 // One weight row [K] to float32 or bf16 (rounded to nearest even, as at::BFloat16 rounds).
 template <typename T>
 void dequantize_row(int64_t type, const uint8_t* row, int64_t K, T* out) {
@@ -587,11 +606,10 @@ inline float hsum256(__m256 v) {
 }
 #endif
 
-// The same without VNNI: AVX2's byte products (Q8_0's signed codes through the sign trick,
-// as an offset code would overflow their 16-bit sums), or plain C++.
+// The same without VNNI for the 32-weight blocks: AVX2's byte products (Q8_0 takes row_q80
+// there), or plain C++.
 template <int MR>
 void row_plain(int64_t type, const uint8_t* row, int64_t K, const QuantizedX& xq, int64_t m0, float* y, int64_t ldy) {
-  const bool is_signed = type == kQ8_0;
   Unit u;
 #if defined(__AVX2__)
   __m256 acc[MR], bacc[MR];
@@ -605,16 +623,14 @@ void row_plain(int64_t type, const uint8_t* row, int64_t K, const QuantizedX& xq
 #if defined(__AVX2__)
     for (int64_t h = 0; h < u.n / 32; ++h) {
       const __m256i w = _mm256_load_si256(reinterpret_cast<const __m256i*>(u.codes + 32 * h));
-      const __m256i wabs = is_signed ? _mm256_sign_epi8(w, w) : w;
       // Lane j covers weights 4j .. 4j + 3 of the 32: scale a16[2h + j / 4].
       const __m256 a = _mm256_permutevar8x32_ps(_mm256_load_ps(u.a16 + (2 * h & ~7)),
                                                 _mm256_add_epi32(_mm256_set_epi32(1, 1, 1, 1, 0, 0, 0, 0),
                                                                  _mm256_set1_epi32(2 * h & 7)));
       for (int m = 0; m < MR; ++m) {
         const int64_t base = (m0 + m) * xq.Kp + k0 + 32 * h;
-        __m256i v = _mm256_loadu_si256(reinterpret_cast<const __m256i*>(xq.q.data() + base));
-        if (is_signed) v = _mm256_sign_epi8(v, w);
-        const __m256i dot = _mm256_madd_epi16(_mm256_maddubs_epi16(wabs, v), ones);
+        const __m256i v = _mm256_loadu_si256(reinterpret_cast<const __m256i*>(xq.q.data() + base));
+        const __m256i dot = _mm256_madd_epi16(_mm256_maddubs_epi16(w, v), ones);
         const __m256 s = _mm256_mul_ps(a, _mm256_loadu_ps(xq.dx4.data() + base / 4));
         acc[m] = _mm256_fmadd_ps(_mm256_cvtepi32_ps(dot), s, acc[m]);
       }
@@ -625,6 +641,7 @@ void row_plain(int64_t type, const uint8_t* row, int64_t K, const QuantizedX& xq
       bacc[m] = _mm256_fmadd_ps(_mm256_load_ps(u.b16 + 8), _mm256_loadu_ps(sums + 8), bacc[m]);
     }
 #else
+    const bool is_signed = type == kQ8_0;
     for (int m = 0; m < MR; ++m) {
       const int64_t base = (m0 + m) * xq.Kp + k0;
       for (int64_t j = 0; j < u.n / 4; ++j) {
@@ -648,10 +665,166 @@ void row_plain(int64_t type, const uint8_t* row, int64_t K, const QuantizedX& xq
   }
 }
 
+// Rows [m0, m0 + MR) of x (quantized per 256) against one row of a K-quant without VNNI, a
+// super-block at a time as llama.cpp's q8_K products: byte-pair sums (vpmaddubsw) weighted by
+// the 16-weight scales into int32 (vpmaddwd), then one float multiply-add per super-block with
+// d * dx. Each row's sums run in the same order whatever MR is.
+#if defined(__AVX2__)
+// A K-quant super-block's scales as vectors for AVX2's byte-pair sums: sc[j] weights the 16
+// int16 sums of codes 32j .. 32j + 31 (lanes 0-7 the first 16 codes, 8-15 the next), off the
+// 16 sums of x per 16 values; w = d * sc * code + off_scale * off.
+struct KScaleVecs {
+  __m256i sc[8];
+  __m256i off;
+  float d, off_scale;
+};
+
+inline KScaleVecs k_scale_vecs(int64_t type, const uint8_t* blk) {
+  // int16 lane i of a 128-bit half takes int16 lane i / 2 of the half's source.
+  const __m256i pairs = _mm256_setr_epi8(0, 1, 0, 1, 2, 3, 2, 3, 4, 5, 4, 5, 6, 7, 6, 7, 8, 9, 8, 9, 10, 11, 10, 11, 12,
+                                         13, 12, 13, 14, 15, 14, 15);
+  KScaleVecs s;
+  __m256i per16;  // int16 [16]: the scale of each 16 codes
+  if (type == kQ6_K) {
+    per16 = s.off = _mm256_cvtepi8_epi16(_mm_loadu_si128(reinterpret_cast<const __m128i*>(blk + 192)));
+    s.d = half_at(blk + 208);
+    s.off_scale = -32.f * s.d;
+  } else {
+    uint32_t packed[4];
+    k4_scales_mins(blk + 4, packed);
+    const __m256i s16 = _mm256_cvtepu8_epi16(_mm_loadu_si128(reinterpret_cast<const __m128i*>(packed)));  // sc, m
+    per16 = _mm256_shuffle_epi8(_mm256_permute4x64_epi64(s16, 0x44), pairs);
+    s.off = _mm256_shuffle_epi8(_mm256_permute4x64_epi64(s16, 0xEE), pairs);
+    s.d = half_at(blk);
+    s.off_scale = -half_at(blk + 2);
+  }
+  const __m256i lo = _mm256_permute4x64_epi64(per16, 0x44), hi = _mm256_permute4x64_epi64(per16, 0xEE);
+  for (int j = 0; j < 8; ++j) {  // the low half takes scale 2j, the high half 2j + 1 (of 8 in lo or hi)
+    const char a = static_cast<char>(4 * j % 16), b = static_cast<char>((4 * j + 2) % 16);
+    const __m256i pick = _mm256_setr_epi8(a, a + 1, a, a + 1, a, a + 1, a, a + 1, a, a + 1, a, a + 1, a, a + 1, a, a + 1,
+                                          b, b + 1, b, b + 1, b, b + 1, b, b + 1, b, b + 1, b, b + 1, b, b + 1, b, b + 1);
+    s.sc[j] = _mm256_shuffle_epi8(j < 4 ? lo : hi, pick);
+  }
+  return s;
+}
+
+template <int MR>
+void row_k(int64_t type, const uint8_t* row, int64_t K, const QuantizedX& xq, int64_t m0, float* y, int64_t ldy) {
+  const int64_t bytes = type == kQ4_K ? 144 : type == kQ5_K ? 176 : 210;
+  __m256 acc[MR], oacc[MR];
+  for (int m = 0; m < MR; ++m) acc[m] = oacc[m] = _mm256_setzero_ps();
+  __m256i w[8];
+  for (int64_t b = 0; b < K / 256; ++b) {
+    const uint8_t* blk = row + b * bytes;
+    k_codes(type, blk, w);
+    const KScaleVecs s = k_scale_vecs(type, blk);
+    for (int m = 0; m < MR; ++m) {
+      const int64_t base = (m0 + m) * xq.Kp + 256 * b;
+      const int8_t* q = xq.q256.data() + base;
+      __m256i isum = _mm256_setzero_si256();
+      for (int j = 0; j < 8; ++j) {
+        const __m256i pairs = _mm256_maddubs_epi16(w[j], _mm256_loadu_si256(reinterpret_cast<const __m256i*>(q + 32 * j)));
+        isum = _mm256_add_epi32(isum, _mm256_madd_epi16(pairs, s.sc[j]));
+      }
+      const float dx = xq.d256[base / 256];
+      acc[m] = _mm256_fmadd_ps(_mm256_cvtepi32_ps(isum), _mm256_set1_ps(s.d * dx), acc[m]);
+      const __m256i sums = _mm256_loadu_si256(reinterpret_cast<const __m256i*>(xq.sum16.data() + base / 16));
+      oacc[m] = _mm256_fmadd_ps(_mm256_cvtepi32_ps(_mm256_madd_epi16(sums, s.off)), _mm256_set1_ps(s.off_scale * dx),
+                                oacc[m]);
+    }
+  }
+  for (int m = 0; m < MR; ++m) y[(m0 + m) * ldy] = hsum256(acc[m]) + hsum256(oacc[m]);
+}
+#else
+// A K-quant super-block's integer scales per 16 weights, for products that sum codes times
+// int8 x in integers: sc of the codes, off of the offsets (times the 16 values' sum of x),
+// and the float factors, w = d * sc * code + off_scale * off.
+struct KScales {
+  alignas(32) int16_t sc[16];
+  alignas(32) int16_t off[16];
+  float d, off_scale;
+};
+
+inline void k_scales(int64_t type, const uint8_t* blk, KScales& s) {
+  if (type == kQ6_K) {  // signed 8-bit scales, codes offset by 32
+    for (int j = 0; j < 16; ++j) s.sc[j] = s.off[j] = static_cast<int8_t>(blk[192 + j]);
+    s.d = half_at(blk + 208);
+    s.off_scale = -32.f * s.d;
+    return;
+  }
+  uint32_t packed[4];
+  k4_scales_mins(blk + 4, packed);
+  const uint8_t* bytes = reinterpret_cast<const uint8_t*>(packed);  // 6-bit scales, then minimums
+  for (int j = 0; j < 16; ++j) {
+    s.sc[j] = bytes[j / 2];
+    s.off[j] = bytes[8 + j / 2];
+  }
+  s.d = half_at(blk);
+  s.off_scale = -half_at(blk + 2);
+}
+
+template <int MR>
+void row_k(int64_t type, const uint8_t* row, int64_t K, const QuantizedX& xq, int64_t m0, float* y, int64_t ldy) {
+  const int64_t bytes = type == kQ4_K ? 144 : type == kQ5_K ? 176 : 210;
+  float acc[MR] = {0}, oacc[MR] = {0};
+  Unit u;
+  KScales s;
+  for (int64_t b = 0; b < K / 256; ++b) {
+    read_unit<false>(type, row, 256 * b, 256, u);
+    k_scales(type, row + b * bytes, s);
+    for (int m = 0; m < MR; ++m) {
+      const int64_t base = (m0 + m) * xq.Kp + 256 * b;
+      const int8_t* q = xq.q256.data() + base;
+      const int16_t* sums = xq.sum16.data() + base / 16;
+      int32_t isum = 0, osum = 0;
+      for (int j = 0; j < 16; ++j) {
+        int32_t dot = 0;
+        for (int l = 16 * j; l < 16 * j + 16; ++l) dot += static_cast<int32_t>(u.codes[l]) * q[l];
+        isum += dot * s.sc[j];
+        osum += static_cast<int32_t>(sums[j]) * s.off[j];
+      }
+      const float dx = xq.d256[base / 256];
+      acc[m] += static_cast<float>(isum) * (s.d * dx);
+      oacc[m] += static_cast<float>(osum) * (s.off_scale * dx);
+    }
+  }
+  for (int m = 0; m < MR; ++m) y[(m0 + m) * ldy] = acc[m] + oacc[m];
+}
+#endif
+
+#if defined(__AVX2__)
+// Rows [m0, m0 + MR) of x (quantized per 32) against one Q8_0 row read straight from its
+// blocks: the sign trick moves the codes' signs onto x, so vpmaddubsw takes them as unsigned
+// (llama.cpp's AVX2 q8_0 product).
+template <int MR>
+void row_q80(const uint8_t* row, int64_t K, const QuantizedX& xq, int64_t m0, float* y, int64_t ldy) {
+  __m256 acc[MR];
+  for (int m = 0; m < MR; ++m) acc[m] = _mm256_setzero_ps();
+  const __m256i ones = _mm256_set1_epi16(1);
+  for (int64_t g = 0; g < K / 32; ++g) {
+    const uint8_t* blk = row + 34 * g;
+    const __m256i w = _mm256_loadu_si256(reinterpret_cast<const __m256i*>(blk + 2));
+    const __m256i wabs = _mm256_sign_epi8(w, w);
+    const float d = half_at(blk);
+    for (int m = 0; m < MR; ++m) {
+      const int64_t base = (m0 + m) * xq.Kp + 32 * g;
+      const __m256i v = _mm256_sign_epi8(_mm256_loadu_si256(reinterpret_cast<const __m256i*>(xq.q.data() + base)), w);
+      const __m256i dot = _mm256_madd_epi16(_mm256_maddubs_epi16(wabs, v), ones);
+      acc[m] = _mm256_fmadd_ps(_mm256_cvtepi32_ps(dot), _mm256_set1_ps(d * xq.dx4[base / 4]), acc[m]);
+    }
+  }
+  for (int m = 0; m < MR; ++m) y[(m0 + m) * ldy] = hsum256(acc[m]);
+}
+#endif
+
 template <int MR>
 void dot_row(int64_t type, const uint8_t* row, int64_t K, const QuantizedX& xq, int64_t m0, float* y, int64_t ldy) {
 #if defined(CPU_CAPABILITY_AVX512) && defined(__GNUC__)
   if (g_allow_vnni) return row_vnni<MR>(type, row, K, xq, m0, y, ldy);
+#endif
+  if (is_k_type(type)) return row_k<MR>(type, row, K, xq, m0, y, ldy);
+#if defined(__AVX2__)
+  if (type == kQ8_0) return row_q80<MR>(row, K, xq, m0, y, ldy);
 #endif
   row_plain<MR>(type, row, K, xq, m0, y, ldy);
 }
@@ -1021,7 +1194,7 @@ Parts check_parts(const at::TensorList weights, at::IntArrayRef types, int64_t K
 }
 
 // Whether a part reads x quantized per 256 (the K-quants' super-block products) or per 32.
-bool reads_x256(int64_t type) { return is_k_type(type % kPacked) && (is_packed(type) || g_allow_vnni); }
+bool reads_x256(int64_t type) { return is_k_type(type % kPacked); }
 
 // out[0, 16) = sums[0, 16) (+ bias) in out's dtype, rounded to bf16 as at::BFloat16 rounds
 // (the same vector conversion a tensor's .to() takes).

@@ -7,7 +7,7 @@ Tolerances, stated once: the file's blocks dequantize bit for bit as gguf's; pro
 than DOT_ROWS tokens through dequantized slabs and a matmul give fp32 logits within 1e-4
 (relative norm) of transformers' dequantized model; decode steps, and prompts on weights that
 are all packed (AVX512-VNNI without AMX, see dot_rows), quantize activations to int8 per 32
-values, as llama.cpp does, and stay within 10% relative norm and mean KL < 0.01
+values (per 256 for the K-quants), as llama.cpp does, and stay within 10% relative norm and mean KL < 0.01
 on the random models (whose flat logits leave the top token to chance margins: 75% top-1 is
 only a sanity bound there); on the default model's real weights, 90% teacher-forced top-1
 agreement (measured: 92% in fp32, 97% in bf16; int8 activations flip near-ties, as
@@ -107,16 +107,14 @@ def test_gguf_linear_against_the_dequantized_product(name):
 @pytest.mark.parametrize("name", gguf_types.QUANTIZED)
 def test_dot_products_equal_int8_activations_exactly(name):
     """The dot products are x rounded to int8 with one scale per 32 values (per 256 for the
-    K-quants' super-block path on VNNI CPUs), times the dequantized weight: an exact float64
-    emulation agrees within float32 rounding, at K with a tail of 64 weights."""
+    K-quants' super-blocks, on every CPU level), times the dequantized weight: an exact
+    float64 emulation agrees within float32 rounding, at K with a tail of 64 weights."""
     t = gguf_types.BY_NAME[name]
     g = torch.Generator().manual_seed(5)
     k = 576 if t.unit == 32 else 512
     raw = gguf_types.random_blocks(t, 48, k, g)
     x = torch.randn(3, k, generator=g)
-    super_blocks = t.unit == 256 and _vnni()
-    block = 256 if super_blocks else 32
-    xq = _int8_activations(x, block)
+    xq = _int8_activations(x, 256 if t.unit == 256 else 32)
     want = xq @ gguf_types.dequantize(raw, t, k).double().t()
     got = torch.ops.srt_lite_cpu.gguf_linear(x, [raw], [t.id], None, DOT_ROWS, False).double()
     assert ((got - want).norm() / want.norm()).item() < 1e-5
