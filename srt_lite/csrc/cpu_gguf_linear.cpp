@@ -845,7 +845,7 @@ void dot_rows(int64_t type, const uint8_t* row, int64_t K, const QuantizedX& xq,
 
 // ---------------------------------------------------------------------------------------------
 // Q4_K, Q6_K and Q8_0 repacked sixteen rows at a time (a type id + kPacked), for CPUs with
-// AVX512-VNNI. One 64-byte load holds 4 code bytes of each of 16 rows, so one vpdpbusd with 4
+// AVX512-VNNI (AVX2 reads the K-quants' groups too, below). One 64-byte load holds 4 code bytes of each of 16 rows, so one vpdpbusd with 4
 // bytes of x broadcast takes 16 rows' dot products at once, each row in its own int32 lane:
 // the x bytes and the scale steps serve 16 rows, no lane sum is left to reduce at the end of a
 // row, and the 16 outputs are stored in one go. llama.cpp's Q4_K_8x8 repack follows the same
@@ -1146,22 +1146,197 @@ void packed_tile(int64_t type, const uint8_t* group, int64_t K, const QuantizedX
   }
 }
 
-// All M rows of x against one packed group (type without the kPacked flag).
-void packed_rows(int64_t type, const uint8_t* group, int64_t K, const QuantizedX& xq, int64_t M, float* y, int64_t ldy) {
-  for (int64_t m0 = 0; m0 < M; m0 += kPackedRowTile) {
-    switch (std::min<int64_t>(kPackedRowTile, M - m0)) {
-      case 1: packed_tile<1>(type, group, K, xq, m0, y, ldy); break;
-      case 2: packed_tile<2>(type, group, K, xq, m0, y, ldy); break;
-      case 3: packed_tile<3>(type, group, K, xq, m0, y, ldy); break;
-      default: packed_tile<4>(type, group, K, xq, m0, y, ldy); break;
+#endif
+
+#if defined(__AVX2__)
+// The packed Q4_K and Q6_K groups read with AVX2 (no int8 dot-product instruction): a
+// 32-byte load holds 4 code bytes of 8 rows, half a group's 64, so a group is read as two
+// halves of 8 outputs each. vpmaddubsw of the codes with 4 bytes of x broadcast gives each row
+// two int16 pair sums; these add up in int16 over the steps of a sub-block (its codes are
+// small enough that the sums cannot overflow) and meet the rows' scales in one vpmaddwd,
+// which widens them to int32 as well: per 32 weights and 8 rows, a sub-block's 8 byte products
+// share one widening step where a row at a time takes one per 32 weights. Q8_0's codes are
+// too wide for int16 sums, so it stays a row at a time there.
+constexpr int kPackedRowTile2 = 4;  // rows of x a pass over a packed half keeps in registers
+
+inline __m256i bcast4_256(const int8_t* p) {  // 4 bytes of x in every lane
+  int32_t v;
+  std::memcpy(&v, p, 4);
+  return _mm256_set1_epi32(v);
+}
+
+// 8 rows' unsigned 8-bit scales (8 bytes) as both int16 halves of each row's int32 lane.
+inline __m256i row_scales_u8(const uint8_t* p) {
+  const __m256i v = _mm256_cvtepu8_epi32(_mm_loadl_epi64(reinterpret_cast<const __m128i*>(p)));
+  return _mm256_or_si256(v, _mm256_slli_epi32(v, 16));
+}
+
+inline __m256 halves8(const uint8_t* p) {  // 8 fp16 values to fp32
+  return _mm256_cvtph_ps(_mm_loadu_si128(reinterpret_cast<const __m128i*>(p)));
+}
+
+// Block b of rows [m0, m0 + MR) of x against half `hf` (outputs 8 hf .. 8 hf + 7) of a packed
+// Q4_K group, added to acc.
+template <int MR>
+inline void q4k_block_half(const uint8_t* in, int64_t b, int hf, const QuantizedX& xq, int64_t m0, __m256* acc) {
+  const __m256i m4 = _mm256_set1_epi8(0xF);
+  __m256i isum[MR], imin[MR];
+  for (int m = 0; m < MR; ++m) isum[m] = imin[m] = _mm256_setzero_si256();
+  for (int c = 0; c < 4; ++c) {
+    const int8_t* q[MR];
+    __m256i a0[MR], a1[MR];  // int16: sub-blocks 2c (low nibbles) and 2c + 1 (high)
+    for (int m = 0; m < MR; ++m) {
+      q[m] = xq.q256.data() + (m0 + m) * xq.Kp + 256 * b + 64 * c;
+      a0[m] = a1[m] = _mm256_setzero_si256();
+    }
+    for (int j = 0; j < 8; ++j) {  // 8 steps of 15 * 127 * 2 stay within int16
+      const __m256i v = _mm256_loadu_si256(reinterpret_cast<const __m256i*>(in + 320 + granule(8, c, j, 8 * hf)));
+      const __m256i lo = _mm256_and_si256(v, m4), hi = _mm256_and_si256(_mm256_srli_epi16(v, 4), m4);
+      for (int m = 0; m < MR; ++m) {
+        a0[m] = _mm256_add_epi16(a0[m], _mm256_maddubs_epi16(lo, bcast4_256(q[m] + 4 * j)));
+        a1[m] = _mm256_add_epi16(a1[m], _mm256_maddubs_epi16(hi, bcast4_256(q[m] + 32 + 4 * j)));
+      }
+    }
+    const __m256i sc_lo = row_scales_u8(in + 64 + 32 * c + 8 * hf), sc_hi = row_scales_u8(in + 80 + 32 * c + 8 * hf);
+    const __m256i mins = _mm256_cvtepu8_epi16(_mm_loadu_si128(reinterpret_cast<const __m128i*>(in + 192 + 32 * c + 16 * hf)));
+    for (int m = 0; m < MR; ++m) {
+      isum[m] = _mm256_add_epi32(isum[m], _mm256_add_epi32(_mm256_madd_epi16(a0[m], sc_lo), _mm256_madd_epi16(a1[m], sc_hi)));
+      int32_t pair;  // the sums of x over sub-blocks 2c and 2c + 1, as two int16
+      std::memcpy(&pair, xq.sum32.data() + ((m0 + m) * xq.Kp + 256 * b) / 32 + 2 * c, 4);
+      imin[m] = _mm256_add_epi32(imin[m], _mm256_madd_epi16(mins, _mm256_set1_epi32(pair)));
     }
   }
+  const __m256 d = halves8(in + 16 * hf), dmin = halves8(in + 32 + 16 * hf);
+  for (int m = 0; m < MR; ++m) {
+    const __m256 dx = _mm256_set1_ps(xq.d256[((m0 + m) * xq.Kp) / 256 + b]);
+    acc[m] = _mm256_fmadd_ps(_mm256_cvtepi32_ps(isum[m]), _mm256_mul_ps(d, dx), acc[m]);
+    acc[m] = _mm256_fnmadd_ps(_mm256_cvtepi32_ps(imin[m]), _mm256_mul_ps(dmin, dx), acc[m]);
+  }
 }
-#else
-void packed_rows(int64_t, const uint8_t*, int64_t, const QuantizedX&, int64_t, float*, int64_t) {
-  TORCH_CHECK(false, "gguf_linear: packed weights need the AVX512-VNNI build");
+
+// Code vector I (weights 32 I apart, as packed_q6k's) of step (n, j), half hf, of a packed Q6_K block.
+template <int I>
+inline __m256i q6_codes_half(const uint8_t* in, int n, int j, int hf) {
+  const __m256i m4 = _mm256_set1_epi8(0xF), m30 = _mm256_set1_epi8(0x30);
+  const __m256i hb = _mm256_loadu_si256(reinterpret_cast<const __m256i*>(in + q6_at(n, j, 0, 8 * hf)));
+  const __m256i l = _mm256_loadu_si256(reinterpret_cast<const __m256i*>(in + q6_at(n, j, 1 + I % 2, 8 * hf)));
+  const __m256i low = I < 2 ? _mm256_and_si256(l, m4) : _mm256_and_si256(_mm256_srli_epi16(l, 4), m4);
+  const __m256i high = I == 0 ? _mm256_slli_epi16(hb, 4) : I == 1 ? _mm256_slli_epi16(hb, 2) : I == 2 ? hb : _mm256_srli_epi16(hb, 2);
+  return _mm256_or_si256(low, _mm256_and_si256(high, m30));
+}
+
+// Groups 8n + 2I and 8n + 2I + 1 of a packed Q6_K block's half hf, for rows [m0, m0 + MR):
+// isum += their scales times the codes' dot products, corr += their scales times x's sums.
+template <int MR, int I>
+inline void q6_groups_half(const uint8_t* in, int n, int hf, const int8_t* const* q, const int16_t* const* sum16,
+                           __m256i* isum, __m256i* corr) {
+  // The two groups' scales, an int16 pair per row; each spread over both halves of the row's lane.
+  const __m256i pair = _mm256_cvtepi8_epi16(_mm_loadu_si128(reinterpret_cast<const __m128i*>(in + 32 + 32 * (4 * n + I) + 16 * hf)));
+  const __m256i sc[2] = {_mm256_blend_epi16(pair, _mm256_slli_epi32(pair, 16), 0xAA),
+                         _mm256_blend_epi16(_mm256_srli_epi32(pair, 16), pair, 0xAA)};
+  for (int j = 0; j < 8; j += 2) {  // group 8n + 2I + j / 4: weights 128n + 32I + 4j ..
+    const __m256i c0 = q6_codes_half<I>(in, n, j, hf), c1 = q6_codes_half<I>(in, n, j + 1, hf);
+    for (int m = 0; m < MR; ++m) {
+      const int8_t* x = q[m] + 128 * n + 32 * I + 4 * j;
+      const __m256i t = _mm256_add_epi16(_mm256_maddubs_epi16(c0, bcast4_256(x)), _mm256_maddubs_epi16(c1, bcast4_256(x + 4)));
+      isum[m] = _mm256_add_epi32(isum[m], _mm256_madd_epi16(t, sc[j / 4]));
+    }
+  }
+  for (int m = 0; m < MR; ++m) {
+    int32_t sums;  // x's sums over the two groups, as int16 pairs like `pair`
+    std::memcpy(&sums, sum16[m] + 8 * n + 2 * I, 4);
+    corr[m] = _mm256_add_epi32(corr[m], _mm256_madd_epi16(pair, _mm256_set1_epi32(sums)));
+  }
+}
+
+// Block b of rows [m0, m0 + MR) of x against half `hf` of a packed Q6_K group, added to acc.
+// Its codes reach 63, so two steps' pair sums at most share an int16 before they meet their 16
+// weights' scale.
+template <int MR>
+inline void q6k_block_half(const uint8_t* in, int64_t b, int hf, const QuantizedX& xq, int64_t m0, __m256* acc) {
+  __m256i isum[MR], corr[MR];
+  const int8_t* q[MR];
+  const int16_t* sum16[MR];
+  for (int m = 0; m < MR; ++m) {
+    isum[m] = corr[m] = _mm256_setzero_si256();
+    q[m] = xq.q256.data() + (m0 + m) * xq.Kp + 256 * b;
+    sum16[m] = xq.sum16.data() + ((m0 + m) * xq.Kp + 256 * b) / 16;
+  }
+  for (int n = 0; n < 2; ++n) {
+    q6_groups_half<MR, 0>(in, n, hf, q, sum16, isum, corr);
+    q6_groups_half<MR, 1>(in, n, hf, q, sum16, isum, corr);
+    q6_groups_half<MR, 2>(in, n, hf, q, sum16, isum, corr);
+    q6_groups_half<MR, 3>(in, n, hf, q, sum16, isum, corr);
+  }
+  const __m256 d = halves8(in + 16 * hf);
+  for (int m = 0; m < MR; ++m) {  // codes are the weights + 32: sum(sc * (code - 32) * x)
+    const __m256i total = _mm256_sub_epi32(isum[m], _mm256_slli_epi32(corr[m], 5));
+    const __m256 dx = _mm256_set1_ps(xq.d256[((m0 + m) * xq.Kp) / 256 + b]);
+    acc[m] = _mm256_fmadd_ps(_mm256_cvtepi32_ps(total), _mm256_mul_ps(d, dx), acc[m]);
+  }
+}
+
+// Rows [m0, m0 + MR) of x against a packed K-quant group, into y[m * ldy + 0 .. 15]: a block's
+// two halves one after the other, so that the group is read once, in order.
+template <int MR>
+void packed_tile_avx2(int64_t type, const uint8_t* group, int64_t K, const QuantizedX& xq, int64_t m0, float* y,
+                      int64_t ldy) {
+  __m256 acc[2][MR];
+  for (int m = 0; m < MR; ++m) acc[0][m] = acc[1][m] = _mm256_setzero_ps();
+  for (int64_t b = 0; b < K / 256; ++b) {
+    for (int hf = 0; hf < 2; ++hf) {
+      if (type == kQ4_K) {
+        q4k_block_half<MR>(group + b * 2368, b, hf, xq, m0, acc[hf]);
+      } else {
+        q6k_block_half<MR>(group + b * 3360, b, hf, xq, m0, acc[hf]);
+      }
+    }
+  }
+  for (int m = 0; m < MR; ++m) {
+    _mm256_storeu_ps(y + (m0 + m) * ldy, acc[0][m]);
+    _mm256_storeu_ps(y + (m0 + m) * ldy + 8, acc[1][m]);
+  }
 }
 #endif
+
+// Whether this build and CPU have a packed kernel for `type`: all three with AVX512-VNNI, the
+// K-quants with AVX2.
+bool packs_type(int64_t type) {
+  if (g_allow_vnni) return packed_group_bytes(type) > 0;
+#if defined(__AVX2__)
+  return type == kQ4_K || type == kQ6_K;
+#else
+  return false;
+#endif
+}
+
+// All M rows of x against one packed group (type without the kPacked flag).
+void packed_rows(int64_t type, const uint8_t* group, int64_t K, const QuantizedX& xq, int64_t M, float* y, int64_t ldy) {
+  TORCH_CHECK(packs_type(type), "gguf_linear: no packed kernel for type ", type, " on this CPU");
+#if defined(CPU_CAPABILITY_AVX512) && defined(__GNUC__)
+  if (g_allow_vnni) {
+    for (int64_t m0 = 0; m0 < M; m0 += kPackedRowTile) {
+      switch (std::min<int64_t>(kPackedRowTile, M - m0)) {
+        case 1: packed_tile<1>(type, group, K, xq, m0, y, ldy); break;
+        case 2: packed_tile<2>(type, group, K, xq, m0, y, ldy); break;
+        case 3: packed_tile<3>(type, group, K, xq, m0, y, ldy); break;
+        default: packed_tile<4>(type, group, K, xq, m0, y, ldy); break;
+      }
+    }
+    return;
+  }
+#endif
+#if defined(__AVX2__)
+  for (int64_t m0 = 0; m0 < M; m0 += kPackedRowTile2) {
+    switch (std::min<int64_t>(kPackedRowTile2, M - m0)) {
+      case 1: packed_tile_avx2<1>(type, group, K, xq, m0, y, ldy); break;
+      case 2: packed_tile_avx2<2>(type, group, K, xq, m0, y, ldy); break;
+      case 3: packed_tile_avx2<3>(type, group, K, xq, m0, y, ldy); break;
+      default: packed_tile_avx2<4>(type, group, K, xq, m0, y, ldy); break;
+    }
+  }
+#endif
+}
 
 struct Parts {
   std::vector<const uint8_t*> data;
@@ -1254,7 +1429,8 @@ void dot_linear(const at::Tensor& x, const Parts& parts, const float* bias, at::
   };
   std::vector<Task> tasks;
   for (size_t p = 0; p < types.size(); ++p) {
-    TORCH_CHECK(!is_packed(types[p]) || g_allow_vnni, "gguf_linear: packed weights need AVX512-VNNI");
+    TORCH_CHECK(!is_packed(types[p]) || packs_type(types[p] % kPacked), "gguf_linear: no packed kernel for type ",
+                types[p] % kPacked, " on this CPU");
     for (int64_t r0 = 0; r0 < parts.rows(p); r0 += kGroup) tasks.push_back({p, r0, std::min(kGroup, parts.rows(p) - r0)});
   }
   // Threads claim runs of tasks as they go rather than an equal share each: on a CPU shared
@@ -1446,6 +1622,7 @@ TORCH_LIBRARY_FRAGMENT(srt_lite_cpu, m) {
   m.def("release_gguf_weight(int key) -> ()");
   m.def("gguf_linear_registered(Tensor x, int key, Tensor? bias) -> Tensor");
   m.def("gguf_allow_vnni(bool allow) -> ()");
+  m.def("gguf_packs(int type) -> bool");
 }
 
 TORCH_LIBRARY_IMPL(srt_lite_cpu, CPU, m) {
@@ -1457,6 +1634,7 @@ TORCH_LIBRARY_IMPL(srt_lite_cpu, CPU, m) {
 
 TORCH_LIBRARY_IMPL(srt_lite_cpu, CompositeExplicitAutograd, m) {
   m.impl("gguf_allow_vnni", &gguf_allow_vnni);
+  m.impl("gguf_packs", &packs_type);
   m.impl("register_gguf_weight", &register_gguf_weight);
   m.impl("release_gguf_weight", &release_gguf_weight);
 }

@@ -6,7 +6,7 @@ GGUF loader as the references.
 Tolerances, stated once: the file's blocks dequantize bit for bit as gguf's; prompts of more
 than DOT_ROWS tokens through dequantized slabs and a matmul give fp32 logits within 1e-4
 (relative norm) of transformers' dequantized model; decode steps, and prompts on weights that
-are all packed (AVX512-VNNI without AMX, see dot_rows), quantize activations to int8 per 32
+are all packed (AVX512-VNNI or AVX2, without AMX: see dot_rows), quantize activations to int8 per 32
 values (per 256 for the K-quants), as llama.cpp does, and stay within 10% relative norm and mean KL < 0.01
 on the random models (whose flat logits leave the top token to chance margins: 75% top-1 is
 only a sanity bound there); on the default model's real weights, 90% teacher-forced top-1
@@ -40,8 +40,13 @@ from srt_lite.server_args import ServerArgs
 pytestmark = pytest.mark.cpu_caps
 
 
-def _vnni() -> bool:
-    return cpu_caps.get().avx512_vnni
+def _packs(name: str) -> bool:
+    """Whether this CPU has a packed kernel for the type (the C++ ops' own answer)."""
+    return cpu_kernels.load() and torch.ops.srt_lite_cpu.gguf_packs(gguf_types.BY_NAME[name].id)
+
+
+def _packed_types(reason: str, also_skip: bool = False) -> list:
+    return [pytest.param(n, marks=pytest.mark.skipif(also_skip or not _packs(n), reason=reason)) for n in PACKED_TYPES]
 
 
 def _int8_activations(x: torch.Tensor, block: int) -> torch.Tensor:
@@ -156,8 +161,16 @@ def test_packed_groups_keep_every_bit(name):
         torch.ops.srt_lite_cpu.gguf_repack(raw[:40], t.id, k)
 
 
-@pytest.mark.skipif(not cpu_kernels.load() or not _vnni(), reason="packed products need AVX512-VNNI")
-@pytest.mark.parametrize("name", PACKED_TYPES)
+@pytest.mark.skipif(not cpu_kernels.load(), reason="the C++ ops do not build here")
+def test_packed_kernels_by_cpu_level():
+    """AVX512-VNNI packs Q4_K, Q6_K and Q8_0; AVX2 (and AVX-512 without VNNI) the K-quants,
+    whose codes are narrow enough for vpmaddubsw's int16 sums; the portable build none."""
+    caps = cpu_caps.get()
+    want = set(PACKED_TYPES) if caps.avx512_vnni else {"Q4_K", "Q6_K"} if caps.level in ("avx2", "avx512") else set()
+    assert {n for n in PACKED_TYPES if _packs(n)} == want
+
+
+@pytest.mark.parametrize("name", _packed_types("no packed kernel for this type on this CPU"))
 def test_packed_products_equal_int8_activations(name):
     """The packed products compute what the file's blocks do: an exact float64 emulation of
     the int8 activations within float32 rounding, every row count up to DOT_ROWS, each row's
@@ -179,9 +192,8 @@ def test_packed_products_equal_int8_activations(name):
             assert torch.equal(weight.forward(x[r : r + 1])[0], weight.forward(x)[r])
 
 
-@pytest.mark.skipif(not cpu_kernels.load() or not _vnni() or cpu_caps.get().amx_bf16,
-                    reason="prompts take the packed products on AVX512-VNNI CPUs without AMX")
-@pytest.mark.parametrize("name", PACKED_TYPES)
+@pytest.mark.parametrize("name", _packed_types("prompts take the packed products where the CPU packs the type and has no AMX",
+                                                 also_skip=cpu_caps.get().amx_bf16))
 def test_packed_weights_take_int8_products_for_prompts(name):
     """A weight whose parts are all packed runs prompts (more than DOT_ROWS rows) through the
     same int8 products as decode: the float64 emulation within float32 rounding, and each

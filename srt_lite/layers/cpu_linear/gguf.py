@@ -8,7 +8,8 @@ dequantized in Python and go through F.linear.
 
 On CPUs with AVX512-VNNI, Q4_K, Q6_K and Q8_0 parts are repacked once at load, 16 rows
 interleaved (csrc/cpu_gguf_linear.cpp describes the layout): one int8 dot-product instruction
-then serves 16 outputs, which keeps decode at the memory's speed. The file's own blocks stay
+then serves 16 outputs, which keeps decode at the memory's speed. With AVX2 the K-quants are
+repacked the same way and read 8 rows a load. The file's own blocks stay
 mapped for embedding lookups and checks; the packed copy is what the products read.
 
 `GGUFStaging` collects a layer's parts while the checkpoint loads (a fused q/k/v or
@@ -46,9 +47,10 @@ def dot_rows(all_packed: bool = False) -> int:
     """Rows up to which the integer dot products run. Every row count when batch-invariant
     (the slabs' matmul rounds otherwise than the int8 products, and by its own blocking), and
     for a weight whose parts are all packed on a CPU without AMX: one vpdpbusd takes 64
-    products where a bf16 dot instruction takes 32, and the slabs also pay for writing the
-    dequantized weight, so the packed products win at every prompt length there (as
-    llama.cpp's int8 activations do for its prompts). With AMX the slabs' bf16 matmul runs
+    products where a bf16 dot instruction takes 32 (with AVX2, a vpmaddubsw 32 where an fp32
+    fused multiply-add takes 8), and the slabs also pay for writing the dequantized weight, so
+    the packed products win at every prompt length there (as llama.cpp's int8 activations do
+    for its prompts). With AMX the slabs' bf16 matmul runs
     on tiles, which these products were not measured against, so AMX keeps the slabs."""
     if batch_invariant.enabled() or (all_packed and not cpu_caps.get().amx_bf16):
         return batch_invariant.ALL_ROWS
@@ -56,9 +58,10 @@ def dot_rows(all_packed: bool = False) -> int:
 
 
 def packs(t: GGUFType, rows: int) -> bool:
-    """Whether a part of `rows` rows of type t is repacked for the products on this CPU."""
+    """Whether a part of `rows` rows of type t is repacked for the products on this CPU (the
+    C++ ops say which types their build has a packed kernel for here)."""
     return (t.name in PACKED_TYPES and rows % PACK_ROWS == 0 and cpu_kernels.load()
-            and cpu_caps.get().avx512_vnni)
+            and torch.ops.srt_lite_cpu.gguf_packs(t.id))
 
 
 @functools.cache
