@@ -131,6 +131,16 @@ inline void set_k4_scales(Unit& u, const uint8_t* packed, float d, float dmin) {
 }
 
 #if defined(__AVX2__)
+// kLines cache lines from p on, asked for ahead of use. A packed group is read once, in order,
+// and between its loads the kernels spend enough time on dot products that the hardware
+// prefetcher does not keep the next block coming: with a few rows of x the products waited on
+// memory for much of their time. The K-quant kernels ask, a slice per step, for the block after
+// the one they work on; Q8_0's blocks are short, so its kernel asks a few blocks ahead.
+template <int kLines>
+inline void prefetch_lines(const uint8_t* p) {
+  for (int i = 0; i < kLines; ++i) _mm_prefetch(reinterpret_cast<const char*>(p + 64 * i), _MM_HINT_T0);
+}
+
 inline __m256i load32(const uint8_t* p) { return _mm256_loadu_si256(reinterpret_cast<const __m256i*>(p)); }
 inline void store32(uint8_t* p, __m256i v) { _mm256_store_si256(reinterpret_cast<__m256i*>(p), v); }
 // Byte l = 0xFF where bit l of the 32-bit word at p is set (llama.cpp's bytes_from_bits_32).
@@ -716,6 +726,7 @@ void row_k(int64_t type, const uint8_t* row, int64_t K, const QuantizedX& xq, in
   __m256i w[8];
   for (int64_t b = 0; b < K / 256; ++b) {
     const uint8_t* blk = row + b * bytes;
+    prefetch_lines<4>(blk + 1024);  // as row_q80: the stream's lines 16 on, a block's worth a block
     k_codes(type, blk, w);
     const KScaleVecs s = k_scale_vecs(type, blk);
     for (int m = 0; m < MR; ++m) {
@@ -803,6 +814,7 @@ void row_q80(const uint8_t* row, int64_t K, const QuantizedX& xq, int64_t m0, fl
   const __m256i ones = _mm256_set1_epi16(1);
   for (int64_t g = 0; g < K / 32; ++g) {
     const uint8_t* blk = row + 34 * g;
+    _mm_prefetch(reinterpret_cast<const char*>(blk + 1024), _MM_HINT_T0);  // 16 lines on, past the row's end too
     const __m256i w = _mm256_loadu_si256(reinterpret_cast<const __m256i*>(blk + 2));
     const __m256i wabs = _mm256_sign_epi8(w, w);
     const float d = half_at(blk);
@@ -974,16 +986,6 @@ inline __m512i bcast4(const int8_t* p) {  // 4 bytes of x in every lane
 
 inline __m512 halves16(const uint8_t* p) {  // 16 fp16 values to fp32
   return _mm512_cvtph_ps(_mm256_loadu_si256(reinterpret_cast<const __m256i*>(p)));
-}
-
-// kLines cache lines from p on, asked for ahead of use. A packed group is read once, in order,
-// and between its loads the kernels spend enough time on dot products that the hardware
-// prefetcher does not keep the next block coming: with a few rows of x the products waited on
-// memory for much of their time. The K-quant kernels ask, a slice per step, for the block after
-// the one they work on; Q8_0's blocks are short, so its kernel asks a few blocks ahead.
-template <int kLines>
-inline void prefetch_lines(const uint8_t* p) {
-  for (int i = 0; i < kLines; ++i) _mm_prefetch(reinterpret_cast<const char*>(p + 64 * i), _MM_HINT_T0);
 }
 
 // The three kernels below take a weight vector once and then meet it with every row of x
@@ -1189,6 +1191,7 @@ inline void q4k_block_half(const uint8_t* in, int64_t b, int hf, const Quantized
       q[m] = xq.q256.data() + (m0 + m) * xq.Kp + 256 * b + 64 * c;
       a0[m] = a1[m] = _mm256_setzero_si256();
     }
+    if (hf == 0) prefetch_lines<10>(in + 2368 + 640 * c);  // the next block, as packed_q4k; half 1 reads what half 0 did
     for (int j = 0; j < 8; ++j) {  // 8 steps of 15 * 127 * 2 stay within int16
       const __m256i v = _mm256_loadu_si256(reinterpret_cast<const __m256i*>(in + 320 + granule(8, c, j, 8 * hf)));
       const __m256i lo = _mm256_and_si256(v, m4), hi = _mm256_and_si256(_mm256_srli_epi16(v, 4), m4);
@@ -1234,6 +1237,7 @@ inline void q6_groups_half(const uint8_t* in, int n, int hf, const int8_t* const
   const __m256i pair = _mm256_cvtepi8_epi16(_mm_loadu_si128(reinterpret_cast<const __m128i*>(in + 32 + 32 * (4 * n + I) + 16 * hf)));
   const __m256i sc[2] = {_mm256_blend_epi16(pair, _mm256_slli_epi32(pair, 16), 0xAA),
                          _mm256_blend_epi16(_mm256_srli_epi32(pair, 16), pair, 0xAA)};
+  if (hf == 0) prefetch_lines<7>(in + 3360 + 448 * (4 * n + I));  // the next block's 53 lines, over 8 calls
   for (int j = 0; j < 8; j += 2) {  // group 8n + 2I + j / 4: weights 128n + 32I + 4j ..
     const __m256i c0 = q6_codes_half<I>(in, n, j, hf), c1 = q6_codes_half<I>(in, n, j + 1, hf);
     for (int m = 0; m < MR; ++m) {
