@@ -857,7 +857,7 @@ void dot_rows(int64_t type, const uint8_t* row, int64_t K, const QuantizedX& xq,
 
 // ---------------------------------------------------------------------------------------------
 // Q4_K, Q6_K and Q8_0 repacked sixteen rows at a time (a type id + kPacked), for CPUs with
-// AVX512-VNNI (AVX2 reads the K-quants' groups too, below). One 64-byte load holds 4 code bytes of each of 16 rows, so one vpdpbusd with 4
+// AVX512-VNNI (AVX2 reads the same groups, below). One 64-byte load holds 4 code bytes of each of 16 rows, so one vpdpbusd with 4
 // bytes of x broadcast takes 16 rows' dot products at once, each row in its own int32 lane:
 // the x bytes and the scale steps serve 16 rows, no lane sum is left to reduce at the end of a
 // row, and the 16 outputs are stored in one go. llama.cpp's Q4_K_8x8 repack follows the same
@@ -873,6 +873,7 @@ void dot_rows(int64_t type, const uint8_t* row, int64_t K, const QuantizedX& xq,
 //   Q8_0: d fp16 [16] | codes + 128 as u8 [8][16][4] (weight 4j + t of the block).
 constexpr int64_t kPacked = 256;
 constexpr int64_t kGroup = 16;
+constexpr int64_t kQ80PrefetchAhead = 4;  // Q8_0 blocks (8.5 lines each) between a prefetch and its use
 
 inline bool is_packed(int64_t type) { return type >= kPacked; }
 
@@ -976,7 +977,6 @@ void unpack_row(int64_t type, const uint8_t* group, int64_t K, int64_t r, uint8_
 
 #if defined(CPU_CAPABILITY_AVX512) && defined(__GNUC__)
 constexpr int kPackedRowTile = 4;  // rows of x a pass over a packed group keeps in registers
-constexpr int64_t kQ80PrefetchAhead = 4;  // Q8_0 blocks (8.5 lines each) between a prefetch and its use
 
 inline __m512i bcast4(const int8_t* p) {  // 4 bytes of x in every lane
   int32_t v;
@@ -1151,14 +1151,14 @@ void packed_tile(int64_t type, const uint8_t* group, int64_t K, const QuantizedX
 #endif
 
 #if defined(__AVX2__)
-// The packed Q4_K and Q6_K groups read with AVX2 (no int8 dot-product instruction): a
+// The packed groups read with AVX2 (no int8 dot-product instruction): a
 // 32-byte load holds 4 code bytes of 8 rows, half a group's 64, so a group is read as two
 // halves of 8 outputs each. vpmaddubsw of the codes with 4 bytes of x broadcast gives each row
 // two int16 pair sums; these add up in int16 over the steps of a sub-block (its codes are
 // small enough that the sums cannot overflow) and meet the rows' scales in one vpmaddwd,
 // which widens them to int32 as well: per 32 weights and 8 rows, a sub-block's 8 byte products
 // share one widening step where a row at a time takes one per 32 weights. Q8_0's codes are
-// too wide for int16 sums, so it stays a row at a time there.
+// too wide for int16 sums and widen every step, but its scale steps still serve 8 rows.
 constexpr int kPackedRowTile2 = 4;  // rows of x a pass over a packed half keeps in registers
 
 inline __m256i bcast4_256(const int8_t* p) {  // 4 bytes of x in every lane
@@ -1280,19 +1280,49 @@ inline void q6k_block_half(const uint8_t* in, int64_t b, int hf, const Quantized
   }
 }
 
-// Rows [m0, m0 + MR) of x against a packed K-quant group, into y[m * ldy + 0 .. 15]: a block's
+// Block b of rows [m0, m0 + MR) of x (quantized per 32) against half `hf` of a packed Q8_0
+// group, added to acc. Its codes, stored + 128 for vpdpbusd, are signed again here: a code
+// times x is |code| times x with the code's sign, whose pair sums stay within int16 where
+// (code + 128) times x would not.
+template <int MR>
+inline void q80_block_half(const uint8_t* in, int64_t b, int hf, const QuantizedX& xq, int64_t m0, __m256* acc) {
+  const __m256i flip = _mm256_set1_epi8(static_cast<char>(0x80)), ones = _mm256_set1_epi16(1);
+  if (hf == 0) prefetch_lines<9>(in + kQ80PrefetchAhead * 544);
+  __m256i isum[MR];
+  const int8_t* q[MR];
+  for (int m = 0; m < MR; ++m) {
+    isum[m] = _mm256_setzero_si256();
+    q[m] = xq.q.data() + (m0 + m) * xq.Kp + 32 * b;
+  }
+  for (int j = 0; j < 8; ++j) {
+    const __m256i w = _mm256_xor_si256(_mm256_loadu_si256(reinterpret_cast<const __m256i*>(in + 32 + 64 * j + 32 * hf)), flip);
+    const __m256i wabs = _mm256_abs_epi8(w);  // -128 reads as 128 unsigned
+    for (int m = 0; m < MR; ++m) {
+      const __m256i xs = _mm256_sign_epi8(bcast4_256(q[m] + 4 * j), w);
+      isum[m] = _mm256_add_epi32(isum[m], _mm256_madd_epi16(_mm256_maddubs_epi16(wabs, xs), ones));
+    }
+  }
+  const __m256 d = halves8(in + 16 * hf);
+  for (int m = 0; m < MR; ++m) {
+    const __m256 dx = _mm256_set1_ps(xq.dx4[((m0 + m) * xq.Kp + 32 * b) / 4]);
+    acc[m] = _mm256_fmadd_ps(_mm256_cvtepi32_ps(isum[m]), _mm256_mul_ps(d, dx), acc[m]);
+  }
+}
+
+// Rows [m0, m0 + MR) of x against a packed group, into y[m * ldy + 0 .. 15]: a block's
 // two halves one after the other, so that the group is read once, in order.
 template <int MR>
 void packed_tile_avx2(int64_t type, const uint8_t* group, int64_t K, const QuantizedX& xq, int64_t m0, float* y,
                       int64_t ldy) {
   __m256 acc[2][MR];
   for (int m = 0; m < MR; ++m) acc[0][m] = acc[1][m] = _mm256_setzero_ps();
-  for (int64_t b = 0; b < K / 256; ++b) {
+  const int64_t blocks = K / type_info(type).unit, bytes = packed_group_bytes(type);
+  for (int64_t b = 0; b < blocks; ++b) {
     for (int hf = 0; hf < 2; ++hf) {
-      if (type == kQ4_K) {
-        q4k_block_half<MR>(group + b * 2368, b, hf, xq, m0, acc[hf]);
-      } else {
-        q6k_block_half<MR>(group + b * 3360, b, hf, xq, m0, acc[hf]);
+      switch (type) {
+        case kQ4_K: q4k_block_half<MR>(group + b * bytes, b, hf, xq, m0, acc[hf]); break;
+        case kQ6_K: q6k_block_half<MR>(group + b * bytes, b, hf, xq, m0, acc[hf]); break;
+        default: q80_block_half<MR>(group + b * bytes, b, hf, xq, m0, acc[hf]); break;
       }
     }
   }
@@ -1303,13 +1333,12 @@ void packed_tile_avx2(int64_t type, const uint8_t* group, int64_t K, const Quant
 }
 #endif
 
-// Whether this build and CPU have a packed kernel for `type`: all three with AVX512-VNNI, the
-// K-quants with AVX2.
+// Whether this build and CPU have a packed kernel for `type` (AVX512-VNNI or AVX2).
 bool packs_type(int64_t type) {
-  if (g_allow_vnni) return packed_group_bytes(type) > 0;
 #if defined(__AVX2__)
-  return type == kQ4_K || type == kQ6_K;
+  return packed_group_bytes(type) > 0;
 #else
+  (void)type;
   return false;
 #endif
 }

@@ -163,10 +163,9 @@ def test_packed_groups_keep_every_bit(name):
 
 @pytest.mark.skipif(not cpu_kernels.load(), reason="the C++ ops do not build here")
 def test_packed_kernels_by_cpu_level():
-    """AVX512-VNNI packs Q4_K, Q6_K and Q8_0; AVX2 (and AVX-512 without VNNI) the K-quants,
-    whose codes are narrow enough for vpmaddubsw's int16 sums; the portable build none."""
-    caps = cpu_caps.get()
-    want = set(PACKED_TYPES) if caps.avx512_vnni else {"Q4_K", "Q6_K"} if caps.level in ("avx2", "avx512") else set()
+    """The AVX2 and AVX-512 builds pack Q4_K, Q6_K and Q8_0 (vpdpbusd with VNNI, vpmaddubsw
+    without); the portable build none."""
+    want = set(PACKED_TYPES) if cpu_caps.get().level in ("avx2", "avx512") else set()
     assert {n for n in PACKED_TYPES if _packs(n)} == want
 
 
