@@ -131,11 +131,12 @@ inline void set_k4_scales(Unit& u, const uint8_t* packed, float d, float dmin) {
 }
 
 #if defined(__AVX2__)
-// kLines cache lines from p on, asked for ahead of use. A packed group is read once, in order,
-// and between its loads the kernels spend enough time on dot products that the hardware
-// prefetcher does not keep the next block coming: with a few rows of x the products waited on
-// memory for much of their time. The K-quant kernels ask, a slice per step, for the block after
-// the one they work on; Q8_0's blocks are short, so its kernel asks a few blocks ahead.
+// kLines cache lines from p on, asked for ahead of use. A packed group (or a row) is read
+// once, in order, and between its loads the kernels spend enough time on dot products that
+// the hardware prefetcher does not keep the next block coming: with a few rows of x the
+// products waited on memory for much of their time. The packed K-quant kernels ask, a slice
+// per step, for the block after the one they work on; Q8_0's blocks are short, so its kernels
+// ask a few blocks ahead.
 template <int kLines>
 inline void prefetch_lines(const uint8_t* p) {
   for (int i = 0; i < kLines; ++i) _mm_prefetch(reinterpret_cast<const char*>(p + 64 * i), _MM_HINT_T0);
@@ -560,7 +561,7 @@ inline void read_k_block(int64_t type, const uint8_t* blk, KBlock& kb) {
 template <int MR>
 __attribute__((target("avx512f,avx512bw,avx512vl,avx512vnni")))
 void row_vnni_k(int64_t type, const uint8_t* row, int64_t K, const QuantizedX& xq, int64_t m0, float* y, int64_t ldy) {
-  const int64_t bytes = type == kQ4_K ? 144 : type == kQ5_K ? 176 : 210;
+  const int64_t bytes = type_info(type).bytes;
   __m512 acc[MR];
   __m256 oacc[MR];
   for (int m = 0; m < MR; ++m) {
@@ -675,10 +676,6 @@ void row_plain(int64_t type, const uint8_t* row, int64_t K, const QuantizedX& xq
   }
 }
 
-// Rows [m0, m0 + MR) of x (quantized per 256) against one row of a K-quant without VNNI, a
-// super-block at a time as llama.cpp's q8_K products: byte-pair sums (vpmaddubsw) weighted by
-// the 16-weight scales into int32 (vpmaddwd), then one float multiply-add per super-block with
-// d * dx. Each row's sums run in the same order whatever MR is.
 #if defined(__AVX2__)
 // A K-quant super-block's scales as vectors for AVX2's byte-pair sums: sc[j] weights the 16
 // int16 sums of codes 32j .. 32j + 31 (lanes 0-7 the first 16 codes, 8-15 the next), off the
@@ -718,9 +715,13 @@ inline KScaleVecs k_scale_vecs(int64_t type, const uint8_t* blk) {
   return s;
 }
 
+// Rows [m0, m0 + MR) of x (quantized per 256) against one row of a K-quant without VNNI, a
+// super-block at a time as llama.cpp's q8_K products: byte-pair sums (vpmaddubsw) weighted by
+// the 16-weight scales into int32 (vpmaddwd), then one float multiply-add per super-block with
+// d * dx. Each row's sums run in the same order whatever MR is.
 template <int MR>
 void row_k(int64_t type, const uint8_t* row, int64_t K, const QuantizedX& xq, int64_t m0, float* y, int64_t ldy) {
-  const int64_t bytes = type == kQ4_K ? 144 : type == kQ5_K ? 176 : 210;
+  const int64_t bytes = type_info(type).bytes;
   __m256 acc[MR], oacc[MR];
   for (int m = 0; m < MR; ++m) acc[m] = oacc[m] = _mm256_setzero_ps();
   __m256i w[8];
@@ -774,9 +775,10 @@ inline void k_scales(int64_t type, const uint8_t* blk, KScales& s) {
   s.off_scale = -half_at(blk + 2);
 }
 
+// row_k of the portable build: the same integer sums in plain C++.
 template <int MR>
 void row_k(int64_t type, const uint8_t* row, int64_t K, const QuantizedX& xq, int64_t m0, float* y, int64_t ldy) {
-  const int64_t bytes = type == kQ4_K ? 144 : type == kQ5_K ? 176 : 210;
+  const int64_t bytes = type_info(type).bytes;
   float acc[MR] = {0}, oacc[MR] = {0};
   Unit u;
   KScales s;
