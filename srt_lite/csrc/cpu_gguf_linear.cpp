@@ -1153,14 +1153,14 @@ void packed_tile(int64_t type, const uint8_t* group, int64_t K, const QuantizedX
 #endif
 
 #if defined(__AVX2__)
-// The packed groups read with AVX2 (no int8 dot-product instruction): a
-// 32-byte load holds 4 code bytes of 8 rows, half a group's 64, so a group is read as two
-// halves of 8 outputs each. vpmaddubsw of the codes with 4 bytes of x broadcast gives each row
-// two int16 pair sums; these add up in int16 over the steps of a sub-block (its codes are
-// small enough that the sums cannot overflow) and meet the rows' scales in one vpmaddwd,
-// which widens them to int32 as well: per 32 weights and 8 rows, a sub-block's 8 byte products
-// share one widening step where a row at a time takes one per 32 weights. Q8_0's codes are
-// too wide for int16 sums and widen every step, but its scale steps still serve 8 rows.
+// The packed groups read with AVX2 (no int8 dot-product instruction). A 32-byte load holds 4
+// code bytes of 8 rows, half a group's 64, so a group is read as two halves of 8 outputs.
+// vpmaddubsw of the codes with 4 bytes of x broadcast gives each row two int16 pair sums;
+// these add up in int16 over as many steps as the codes' width allows (Q4_K: a whole 32-weight
+// sub-block; Q6_K: two steps) and then meet the rows' scales in one vpmaddwd, which also widens
+// them to int32. A product a row at a time widens once per 32 weights of every row; here one
+// widening serves 8 rows and several steps. Q8_0's codes are too wide for int16 sums and widen
+// every step, but its float step per block still serves 8 rows.
 constexpr int kPackedRowTile2 = 4;  // rows of x a pass over a packed half keeps in registers
 
 inline __m256i bcast4_256(const int8_t* p) {  // 4 bytes of x in every lane
