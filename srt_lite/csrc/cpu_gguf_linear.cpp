@@ -875,6 +875,7 @@ void dot_rows(int64_t type, const uint8_t* row, int64_t K, const QuantizedX& xq,
 //   Q8_0: d fp16 [16] | codes + 128 as u8 [8][16][4] (weight 4j + t of the block).
 constexpr int64_t kPacked = 256;
 constexpr int64_t kGroup = 16;
+constexpr int kPackedRowTile = 4;  // rows of x a pass over a packed group keeps in registers
 constexpr int64_t kQ80PrefetchAhead = 4;  // Q8_0 blocks (8.5 lines each) between a prefetch and its use
 
 inline bool is_packed(int64_t type) { return type >= kPacked; }
@@ -978,7 +979,6 @@ void unpack_row(int64_t type, const uint8_t* group, int64_t K, int64_t r, uint8_
 }
 
 #if defined(CPU_CAPABILITY_AVX512) && defined(__GNUC__)
-constexpr int kPackedRowTile = 4;  // rows of x a pass over a packed group keeps in registers
 
 inline __m512i bcast4(const int8_t* p) {  // 4 bytes of x in every lane
   int32_t v;
@@ -1161,7 +1161,6 @@ void packed_tile(int64_t type, const uint8_t* group, int64_t K, const QuantizedX
 // them to int32. A product a row at a time widens once per 32 weights of every row; here one
 // widening serves 8 rows and several steps. Q8_0's codes are too wide for int16 sums and widen
 // every step, but its float step per block still serves 8 rows.
-constexpr int kPackedRowTile2 = 4;  // rows of x a pass over a packed half keeps in registers
 
 inline __m256i bcast4_256(const int8_t* p) {  // 4 bytes of x in every lane
   int32_t v;
@@ -1345,32 +1344,29 @@ bool packs_type(int64_t type) {
 #endif
 }
 
+// Rows [m0, m0 + MR) of x against one packed group: the VNNI kernels where allowed, else AVX2's.
+template <int MR>
+void packed_tile_any(int64_t type, const uint8_t* group, int64_t K, const QuantizedX& xq, int64_t m0, float* y,
+                     int64_t ldy) {
+#if defined(CPU_CAPABILITY_AVX512) && defined(__GNUC__)
+  if (g_allow_vnni) return packed_tile<MR>(type, group, K, xq, m0, y, ldy);
+#endif
+#if defined(__AVX2__)
+  packed_tile_avx2<MR>(type, group, K, xq, m0, y, ldy);
+#endif
+}
+
 // All M rows of x against one packed group (type without the kPacked flag).
 void packed_rows(int64_t type, const uint8_t* group, int64_t K, const QuantizedX& xq, int64_t M, float* y, int64_t ldy) {
   TORCH_CHECK(packs_type(type), "gguf_linear: no packed kernel for type ", type, " on this CPU");
-#if defined(CPU_CAPABILITY_AVX512) && defined(__GNUC__)
-  if (g_allow_vnni) {
-    for (int64_t m0 = 0; m0 < M; m0 += kPackedRowTile) {
-      switch (std::min<int64_t>(kPackedRowTile, M - m0)) {
-        case 1: packed_tile<1>(type, group, K, xq, m0, y, ldy); break;
-        case 2: packed_tile<2>(type, group, K, xq, m0, y, ldy); break;
-        case 3: packed_tile<3>(type, group, K, xq, m0, y, ldy); break;
-        default: packed_tile<4>(type, group, K, xq, m0, y, ldy); break;
-      }
-    }
-    return;
-  }
-#endif
-#if defined(__AVX2__)
-  for (int64_t m0 = 0; m0 < M; m0 += kPackedRowTile2) {
-    switch (std::min<int64_t>(kPackedRowTile2, M - m0)) {
-      case 1: packed_tile_avx2<1>(type, group, K, xq, m0, y, ldy); break;
-      case 2: packed_tile_avx2<2>(type, group, K, xq, m0, y, ldy); break;
-      case 3: packed_tile_avx2<3>(type, group, K, xq, m0, y, ldy); break;
-      default: packed_tile_avx2<4>(type, group, K, xq, m0, y, ldy); break;
+  for (int64_t m0 = 0; m0 < M; m0 += kPackedRowTile) {
+    switch (std::min<int64_t>(kPackedRowTile, M - m0)) {
+      case 1: packed_tile_any<1>(type, group, K, xq, m0, y, ldy); break;
+      case 2: packed_tile_any<2>(type, group, K, xq, m0, y, ldy); break;
+      case 3: packed_tile_any<3>(type, group, K, xq, m0, y, ldy); break;
+      default: packed_tile_any<4>(type, group, K, xq, m0, y, ldy); break;
     }
   }
-#endif
 }
 
 struct Parts {
