@@ -8,8 +8,8 @@ dequantized in Python and go through F.linear.
 
 On CPUs with AVX512-VNNI, Q4_K, Q6_K and Q8_0 parts are repacked once at load, 16 rows
 interleaved (csrc/cpu_gguf_linear.cpp describes the layout): one int8 dot-product instruction
-then serves 16 outputs, which keeps decode at the memory's speed. With AVX2 the K-quants are
-repacked the same way and read 8 rows a load. The file's own blocks stay
+then serves 16 outputs, which keeps decode at the memory's speed. With AVX2 the same types
+are repacked the same way and read 8 rows a load. The file's own blocks stay
 mapped for embedding lookups and checks; the packed copy is what the products read.
 
 `GGUFStaging` collects a layer's parts while the checkpoint loads (a fused q/k/v or
