@@ -858,17 +858,19 @@ void dot_rows(int64_t type, const uint8_t* row, int64_t K, const QuantizedX& xq,
 }
 
 // ---------------------------------------------------------------------------------------------
-// Q4_K, Q6_K and Q8_0 repacked sixteen rows at a time (a type id + kPacked), for CPUs with
+// Q4_K, Q5_K, Q6_K and Q8_0 repacked sixteen rows at a time (a type id + kPacked), for CPUs with
 // AVX512-VNNI (AVX2 reads the same groups, below). One 64-byte load holds 4 code bytes of each of 16 rows, so one vpdpbusd with 4
 // bytes of x broadcast takes 16 rows' dot products at once, each row in its own int32 lane:
 // the x bytes and the scale steps serve 16 rows, no lane sum is left to reduce at the end of a
 // row, and the 16 outputs are stored in one go. llama.cpp's Q4_K_8x8 repack follows the same
 // idea. The repack keeps every bit of the file's blocks (unpack_row gives them back exactly),
-// a packed group of a block takes 16 times the block's bytes plus, for Q4_K, 32 bytes of
-// unpacked scales. Per 16-row group and block, in order:
+// a packed group of a block takes 16 times the block's bytes plus, for Q4_K and Q5_K, 32 bytes
+// of unpacked scales. Per 16-row group and block, in order:
 //   Q4_K: d fp16 [16] | dmin fp16 [16] | sc u8 [8 sub-blocks][16] | min u8 [4 pairs][16][2] |
 //         qs [4 chunks][8][16][4]: byte t of group (c, j) of row r is the file's qs[32c + 4j + t]
 //         (low nibble weight 64c + 4j + t, high nibble 64c + 32 + 4j + t).
+//   Q5_K: Q4_K's fields, then qh [8][16][4]: byte t of group j of row r is the file's
+//         qh[4j + t], whose bits 2c and 2c + 1 are the fifth bits of chunk c's two nibbles.
 //   Q6_K: d fp16 [16] | sc i8 [8 pairs][16][2] | [2 halves n][8 j] of (qh, ql, ql') [16][4]:
 //         byte t of row r is the file's qh[32n + 4j + t], ql[64n + 4j + t], ql[64n + 32 + 4j + t]
 //         (the three a kernel step reads, side by side so that the block is read in order).
@@ -883,6 +885,7 @@ inline bool is_packed(int64_t type) { return type >= kPacked; }
 int64_t packed_group_bytes(int64_t type) {  // one block of 16 rows
   switch (type) {
     case kQ4_K: return 2368;
+    case kQ5_K: return 2880;
     case kQ6_K: return 3360;
     case kQ8_0: return 544;
     default: return 0;
@@ -911,7 +914,7 @@ void repack_group(int64_t type, const uint8_t* src, int64_t row_bytes, int64_t K
           v ^= 0x80808080u;
           std::memcpy(out + granule(8, 0, j, r) + 32, &v, 4);
         }
-      } else if (type == kQ4_K) {
+      } else if (type == kQ4_K || type == kQ5_K) {
         std::memcpy(out + 2 * r, blk, 2);
         std::memcpy(out + 32 + 2 * r, blk + 2, 2);
         uint32_t w[4];
@@ -919,8 +922,12 @@ void repack_group(int64_t type, const uint8_t* src, int64_t row_bytes, int64_t K
         const uint8_t* sm = reinterpret_cast<const uint8_t*>(w);
         for (int s = 0; s < 8; ++s) out[64 + s * kGroup + r] = sm[s];
         for (int s = 0; s < 8; ++s) out[192 + ((s / 2) * kGroup + r) * 2 + s % 2] = sm[8 + s];
+        const uint8_t* qs = blk + (type == kQ5_K ? 48 : 16);
         for (int64_t c = 0; c < 4; ++c) {
-          for (int64_t j = 0; j < 8; ++j) std::memcpy(out + 320 + granule(8, c, j, r), blk + 16 + 32 * c + 4 * j, 4);
+          for (int64_t j = 0; j < 8; ++j) std::memcpy(out + 320 + granule(8, c, j, r), qs + 32 * c + 4 * j, 4);
+        }
+        if (type == kQ5_K) {
+          for (int64_t j = 0; j < 8; ++j) std::memcpy(out + 2368 + granule(8, 0, j, r), blk + 16 + 4 * j, 4);
         }
       } else {  // Q6_K
         std::memcpy(out + 2 * r, blk + 208, 2);
@@ -947,7 +954,7 @@ void unpack_row(int64_t type, const uint8_t* group, int64_t K, int64_t r, uint8_
     if (type == kQ8_0) {
       std::memcpy(blk, in + 2 * r, 2);
       for (int64_t e = 0; e < 32; ++e) blk[2 + e] = in[32 + (e / 4 * kGroup + r) * 4 + e % 4] ^ 0x80;
-    } else if (type == kQ4_K) {
+    } else if (type == kQ4_K || type == kQ5_K) {
       std::memcpy(blk, in + 2 * r, 2);
       std::memcpy(blk + 2, in + 32 + 2 * r, 2);
       uint8_t sc[8], mn[8];
@@ -961,8 +968,12 @@ void unpack_row(int64_t type, const uint8_t* group, int64_t K, int64_t r, uint8_
         q[j + 4] = mn[j] | ((mn[j + 4] >> 4) << 6);
         q[j + 8] = (sc[j + 4] & 0xF) | ((mn[j + 4] & 0xF) << 4);
       }
+      uint8_t* qs = blk + (type == kQ5_K ? 48 : 16);
       for (int64_t c = 0; c < 4; ++c) {
-        for (int64_t j = 0; j < 8; ++j) std::memcpy(blk + 16 + 32 * c + 4 * j, in + 320 + granule(8, c, j, r), 4);
+        for (int64_t j = 0; j < 8; ++j) std::memcpy(qs + 32 * c + 4 * j, in + 320 + granule(8, c, j, r), 4);
+      }
+      if (type == kQ5_K) {
+        for (int64_t j = 0; j < 8; ++j) std::memcpy(blk + 16 + 4 * j, in + 2368 + granule(8, 0, j, r), 4);
       }
     } else {  // Q6_K
       std::memcpy(blk + 208, in + 2 * r, 2);
@@ -999,18 +1010,21 @@ inline __m512 halves16(const uint8_t* p) {  // 16 fp16 values to fp32
 // Rows [m0, m0 + MR) of x against a packed group of 16 outputs, into y[m * ldy + 0 .. 15].
 // Per super-block: int32 sums of each sub-block times its scale, then one float step with
 // d * dx (x quantized per 256 as llama.cpp's q8_K), as the unpacked K-quant path does.
-template <int MR>
+// kQ5: Q5_K, whose fifth bits (qh) join each chunk's nibbles.
+template <int MR, bool kQ5>
 __attribute__((target("avx512f,avx512bw,avx512vl,avx512vnni,f16c")))
 void packed_q4k(const uint8_t* group, int64_t K, const QuantizedX& xq, int64_t m0, float* y, int64_t ldy) {
-  const __m512i m4 = _mm512_set1_epi8(0xF);
+  constexpr int64_t kBytes = kQ5 ? 2880 : 2368;
+  const __m512i m4 = _mm512_set1_epi8(0xF), fifth = _mm512_set1_epi8(0x10);
   __m512 acc[MR];
   for (int m = 0; m < MR; ++m) acc[m] = _mm512_setzero_ps();
   for (int64_t b = 0; b < K / 256; ++b) {
-    const uint8_t* in = group + b * 2368;
+    const uint8_t* in = group + b * kBytes;
     __m512i isum[MR], imin[MR];
     for (int m = 0; m < MR; ++m) isum[m] = imin[m] = _mm512_setzero_si512();
     for (int c = 0; c < 4; ++c) {
-      prefetch_lines<10>(in + 2368 + 640 * c);  // the next block's 37 lines, over 4 chunks
+      // The next block's 37 (Q5_K: 45) lines, over 4 chunks.
+      prefetch_lines<kQ5 ? 12 : 10>(in + kBytes + (kQ5 ? 768 : 640) * c);
       const int8_t* q[MR];
       __m512i a0[MR], a1[MR];
       for (int m = 0; m < MR; ++m) {
@@ -1019,7 +1033,12 @@ void packed_q4k(const uint8_t* group, int64_t K, const QuantizedX& xq, int64_t m
       }
       for (int j = 0; j < 8; ++j) {
         const __m512i v = _mm512_loadu_si512(in + 320 + granule(8, c, j, 0));
-        const __m512i lo = _mm512_and_si512(v, m4), hi = _mm512_and_si512(_mm512_srli_epi16(v, 4), m4);
+        __m512i lo = _mm512_and_si512(v, m4), hi = _mm512_and_si512(_mm512_srli_epi16(v, 4), m4);
+        if constexpr (kQ5) {  // bits 2c and 2c + 1 of qh to bit 4 of lo and hi
+          const __m512i h = _mm512_srl_epi16(_mm512_loadu_si512(in + 2368 + granule(8, 0, j, 0)), _mm_cvtsi32_si128(2 * c));
+          lo = _mm512_or_si512(lo, _mm512_and_si512(_mm512_slli_epi16(h, 4), fifth));
+          hi = _mm512_or_si512(hi, _mm512_and_si512(_mm512_slli_epi16(h, 3), fifth));
+        }
         for (int m = 0; m < MR; ++m) {
           a0[m] = _mm512_dpbusd_epi32(a0[m], lo, bcast4(q[m] + 4 * j));
           a1[m] = _mm512_dpbusd_epi32(a1[m], hi, bcast4(q[m] + 32 + 4 * j));
@@ -1144,7 +1163,8 @@ void packed_q80(const uint8_t* group, int64_t K, const QuantizedX& xq, int64_t m
 template <int MR>
 void packed_tile(int64_t type, const uint8_t* group, int64_t K, const QuantizedX& xq, int64_t m0, float* y, int64_t ldy) {
   switch (type) {
-    case kQ4_K: return packed_q4k<MR>(group, K, xq, m0, y, ldy);
+    case kQ4_K: return packed_q4k<MR, false>(group, K, xq, m0, y, ldy);
+    case kQ5_K: return packed_q4k<MR, true>(group, K, xq, m0, y, ldy);
     case kQ6_K: return packed_q6k<MR>(group, K, xq, m0, y, ldy);
     default: return packed_q80<MR>(group, K, xq, m0, y, ldy);
   }
@@ -1157,7 +1177,7 @@ void packed_tile(int64_t type, const uint8_t* group, int64_t K, const QuantizedX
 // code bytes of 8 rows, half a group's 64, so a group is read as two halves of 8 outputs.
 // vpmaddubsw of the codes with 4 bytes of x broadcast gives each row two int16 pair sums;
 // these add up in int16 over as many steps as the codes' width allows (Q4_K: a whole 32-weight
-// sub-block; Q6_K: two steps) and then meet the rows' scales in one vpmaddwd, which also widens
+// sub-block; Q5_K: half of one; Q6_K: two steps) and then meet the rows' scales in one vpmaddwd, which also widens
 // them to int32. A product a row at a time widens once per 32 weights of every row; here one
 // widening serves 8 rows and several steps. Q8_0's codes are too wide for int16 sums and widen
 // every step, but its float step per block still serves 8 rows.
@@ -1179,10 +1199,12 @@ inline __m256 halves8(const uint8_t* p) {  // 8 fp16 values to fp32
 }
 
 // Block b of rows [m0, m0 + MR) of x against half `hf` (outputs 8 hf .. 8 hf + 7) of a packed
-// Q4_K group, added to acc.
-template <int MR>
+// Q4_K (kQ5: Q5_K) group, added to acc.
+template <int MR, bool kQ5>
 inline void q4k_block_half(const uint8_t* in, int64_t b, int hf, const QuantizedX& xq, int64_t m0, __m256* acc) {
-  const __m256i m4 = _mm256_set1_epi8(0xF);
+  // Steps whose pair sums share an int16: 15 * 127 * 2 a step for 4-bit codes, 31 * 127 * 2 for 5.
+  constexpr int kSteps = kQ5 ? 4 : 8;
+  const __m256i m4 = _mm256_set1_epi8(0xF), fifth = _mm256_set1_epi8(0x10);
   __m256i isum[MR], imin[MR];
   for (int m = 0; m < MR; ++m) isum[m] = imin[m] = _mm256_setzero_si256();
   for (int c = 0; c < 4; ++c) {
@@ -1192,19 +1214,31 @@ inline void q4k_block_half(const uint8_t* in, int64_t b, int hf, const Quantized
       q[m] = xq.q256.data() + (m0 + m) * xq.Kp + 256 * b + 64 * c;
       a0[m] = a1[m] = _mm256_setzero_si256();
     }
-    if (hf == 0) prefetch_lines<10>(in + 2368 + 640 * c);  // the next block, as packed_q4k; half 1 reads what half 0 did
-    for (int j = 0; j < 8; ++j) {  // 8 steps of 15 * 127 * 2 stay within int16
+    // The next block, as packed_q4k's; half 1 reads what half 0 did.
+    if (hf == 0) prefetch_lines<kQ5 ? 12 : 10>(in + (kQ5 ? 2880 + 768 * c : 2368 + 640 * c));
+    const __m256i sc_lo = row_scales_u8(in + 64 + 32 * c + 8 * hf), sc_hi = row_scales_u8(in + 80 + 32 * c + 8 * hf);
+    for (int j = 0; j < 8; ++j) {
       const __m256i v = _mm256_loadu_si256(reinterpret_cast<const __m256i*>(in + 320 + granule(8, c, j, 8 * hf)));
-      const __m256i lo = _mm256_and_si256(v, m4), hi = _mm256_and_si256(_mm256_srli_epi16(v, 4), m4);
+      __m256i lo = _mm256_and_si256(v, m4), hi = _mm256_and_si256(_mm256_srli_epi16(v, 4), m4);
+      if constexpr (kQ5) {  // bits 2c and 2c + 1 of qh to bit 4 of lo and hi
+        const __m256i h = _mm256_srl_epi16(_mm256_loadu_si256(reinterpret_cast<const __m256i*>(in + 2368 + granule(8, 0, j, 8 * hf))),
+                                           _mm_cvtsi32_si128(2 * c));
+        lo = _mm256_or_si256(lo, _mm256_and_si256(_mm256_slli_epi16(h, 4), fifth));
+        hi = _mm256_or_si256(hi, _mm256_and_si256(_mm256_slli_epi16(h, 3), fifth));
+      }
       for (int m = 0; m < MR; ++m) {
         a0[m] = _mm256_add_epi16(a0[m], _mm256_maddubs_epi16(lo, bcast4_256(q[m] + 4 * j)));
         a1[m] = _mm256_add_epi16(a1[m], _mm256_maddubs_epi16(hi, bcast4_256(q[m] + 32 + 4 * j)));
       }
+      if ((j + 1) % kSteps == 0) {
+        for (int m = 0; m < MR; ++m) {
+          isum[m] = _mm256_add_epi32(isum[m], _mm256_add_epi32(_mm256_madd_epi16(a0[m], sc_lo), _mm256_madd_epi16(a1[m], sc_hi)));
+          a0[m] = a1[m] = _mm256_setzero_si256();
+        }
+      }
     }
-    const __m256i sc_lo = row_scales_u8(in + 64 + 32 * c + 8 * hf), sc_hi = row_scales_u8(in + 80 + 32 * c + 8 * hf);
     const __m256i mins = _mm256_cvtepu8_epi16(_mm_loadu_si128(reinterpret_cast<const __m128i*>(in + 192 + 32 * c + 16 * hf)));
     for (int m = 0; m < MR; ++m) {
-      isum[m] = _mm256_add_epi32(isum[m], _mm256_add_epi32(_mm256_madd_epi16(a0[m], sc_lo), _mm256_madd_epi16(a1[m], sc_hi)));
       int32_t pair;  // the sums of x over sub-blocks 2c and 2c + 1, as two int16
       std::memcpy(&pair, xq.sum32.data() + ((m0 + m) * xq.Kp + 256 * b) / 32 + 2 * c, 4);
       imin[m] = _mm256_add_epi32(imin[m], _mm256_madd_epi16(mins, _mm256_set1_epi32(pair)));
@@ -1321,7 +1355,8 @@ void packed_tile_avx2(int64_t type, const uint8_t* group, int64_t K, const Quant
   for (int64_t b = 0; b < blocks; ++b) {
     for (int hf = 0; hf < 2; ++hf) {
       switch (type) {
-        case kQ4_K: q4k_block_half<MR>(group + b * bytes, b, hf, xq, m0, acc[hf]); break;
+        case kQ4_K: q4k_block_half<MR, false>(group + b * bytes, b, hf, xq, m0, acc[hf]); break;
+        case kQ5_K: q4k_block_half<MR, true>(group + b * bytes, b, hf, xq, m0, acc[hf]); break;
         case kQ6_K: q6k_block_half<MR>(group + b * bytes, b, hf, xq, m0, acc[hf]); break;
         default: q80_block_half<MR>(group + b * bytes, b, hf, xq, m0, acc[hf]); break;
       }

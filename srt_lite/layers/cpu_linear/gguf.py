@@ -6,7 +6,7 @@ activations up to DOT_ROWS rows (every row count for packed weights without AMX,
 dot_rows) and dequantized slabs through a matmul above. Without the C++ ops, slabs are
 dequantized in Python and go through F.linear.
 
-On CPUs with AVX512-VNNI, Q4_K, Q6_K and Q8_0 parts are repacked once at load, 16 rows
+On CPUs with AVX512-VNNI, Q4_K, Q5_K, Q6_K and Q8_0 parts are repacked once at load, 16 rows
 interleaved (csrc/cpu_gguf_linear.cpp describes the layout): one int8 dot-product instruction
 then serves 16 outputs, which keeps decode at the memory's speed. With AVX2 the same types
 are repacked the same way and read 8 rows a load. The file's own blocks stay
@@ -38,7 +38,7 @@ DOT_ROWS = 16
 _SLAB_ROWS = 1024
 # The C++ ops' packed layouts: rows interleaved by PACK_ROWS, a packed part's type id is its
 # GGUF id + PACKED_ID.
-PACKED_TYPES = ("Q4_K", "Q6_K", "Q8_0")
+PACKED_TYPES = ("Q4_K", "Q5_K", "Q6_K", "Q8_0")
 PACK_ROWS = 16
 PACKED_ID = 256
 
