@@ -262,7 +262,10 @@ class ModelRunner:
         frees."""
         max_verify = min(num_draft_tokens + 1, EXACT_ROWS) if num_draft_tokens else 1
         sizes = [b for b in (1, 2, 4, 8, 16, 32) if b <= max_decode_batch] or [1]
-        prompt = 8
+        # GGUF linears take the same integer products or dequantize a slab at a time into the
+        # same scratch at any prompt length, so the first pass's size warms nothing for them:
+        # one token a request, as decode, instead of seconds of 8-bit compute at start-up.
+        prompt = 1 if self.gguf_formats else 8
         width = prompt + max(max_verify, 1)  # KV slots per scratch request
         need = sizes[-1] * width
         if need > self.max_total_num_tokens or sizes[-1] > self.req_to_token_pool.available_size():
@@ -271,10 +274,7 @@ class ModelRunner:
         # A long prompt (last) runs over all the scratch slots if the cache and context allow.
         fits = prefill_chunk <= min(self.max_total_num_tokens // 2, r2t.shape[1])
         long_prompt = prefill_chunk if prompt < prefill_chunk and fits else 0
-        if self.gguf_formats:
-            # GGUF linears take the same integer products or dequantize a slab at a time into
-            # the same scratch at any prompt length: the first batch of prompts already set
-            # them up, and a full chunk would add seconds to start-up for nothing.
+        if self.gguf_formats:  # the first batch of prompts sets up their slabs, as above
             long_prompt = 0
         rows = [self.req_to_token_pool.alloc() for _ in range(sizes[-1])]
         slots = self.token_to_kv_pool.alloc(max(need, long_prompt))

@@ -323,6 +323,19 @@ def test_formats_are_named(files):
     assert formats == {"Q4_K": 4, "Q4_K+Q6_K": 2, "Q6_K": 4}  # o, gate/up; qkv; down, embedding, head
 
 
+def test_warmup_of_a_gguf_model_runs_one_token_prompts(files, monkeypatch):
+    """GGUF products set themselves up alike at any prompt length, so the warm-up's first
+    pass is one token a request and no full chunk follows; its KV is freed."""
+    runner = _runner(files["Q4_K_M", "llama"], "float32")
+    shapes = []
+    forward = runner.forward
+    monkeypatch.setattr(runner, "forward", lambda fb: shapes.append(fb.extend_seq_lens_cpu) or forward(fb))
+    free = runner.token_to_kv_pool.available_size()
+    runner.warmup(max_decode_batch=4, num_draft_tokens=0, prefill_chunk=200)
+    assert shapes == [[1] * 4, [1], [1] * 2, [1] * 4]
+    assert runner.token_to_kv_pool.available_size() == free
+
+
 def test_default_model_file_greedy_text(tokenizer):
     """The default model's own Q4_1 file, served from its blocks, against the same weights
     dequantized, fp32, greedy: teacher-forced next-token agreement over a fixed text, and the
