@@ -157,7 +157,7 @@ def serve_server():
 
     def get() -> ServerProcess:
         if not started:
-            started.append(ServerProcess("--enable-metrics", "--max-total-tokens", "8192").__enter__())
+            started.append(ServerProcess("--enable-metrics", "--max-total-tokens", "8192", warmup=True).__enter__())
         return started[0]
 
     yield get
@@ -195,7 +195,7 @@ def test_doc_commands(doc: Path, tmp_path, reasoner, serve_server):
                     continue
                 args = launch_args(cmd.replace(PLACEHOLDER_MODEL, reasoner).replace(PLACEHOLDER_1B, str(tmp_path / "llama-1b-shape")))
                 if args is not None:
-                    servers.append(ServerProcess(*args).__enter__())  # healthy, or this raises
+                    servers.append(ServerProcess(*args, warmup=True).__enter__())  # healthy, or this raises
                     continue
                 short = [k for k in SHORTEN if k in cmd]
                 if short:

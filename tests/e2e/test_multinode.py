@@ -69,7 +69,7 @@ def pair(tiny_model):
     """Node 0 (serving, ready) and node 1 of a fresh two-node server; both stopped after."""
     addr = f"127.0.0.1:{get_free_port()}"
     follower = FollowerNode(*node_args(tiny_model, addr, 1))
-    head = ServerProcess(*node_args(tiny_model, addr, 0), env=ENV)
+    head = ServerProcess(*node_args(tiny_model, addr, 0), env=ENV, warmup=True)  # as node 1 does
     try:
         yield head.wait_ready(), follower
     finally:

@@ -19,7 +19,7 @@ from srt_lite.model_executor.dtype import resolve_dtype
 
 @pytest.fixture(scope="module")
 def server():
-    with ServerProcess("--max-total-tokens", "8192") as s:
+    with ServerProcess("--max-total-tokens", "8192", warmup=True) as s:  # its banner test reads the warm-up lines
         yield s
 
 
@@ -207,7 +207,7 @@ def test_startup_banner_and_progress_lines(server):
 def test_every_dtype_starts_and_answers(dtype):
     """Whatever this CPU can do (make test repeats this capped at AVX2), each dtype starts,
     reports the linear path it chose, and answers a chat question greedily."""
-    with ServerProcess("--max-total-tokens", "2048", "--dtype", dtype) as s:
+    with ServerProcess("--max-total-tokens", "2048", "--dtype", dtype, warmup=True) as s:
         info = httpx.get(s.base_url + "/get_server_info", timeout=10).json()
         assert info["dtype"] == dtype and info["linear_path"] == cpu_linear_path(getattr(torch, dtype))
         assert info["cpu"] == cpu_caps.get().describe()

@@ -20,7 +20,7 @@ KINDS = {"chat", "chat_stream_stop", "completion_n", "completion_stream_logprobs
 @pytest.mark.slow
 def test_two_minute_soak(tmp_path):
     out = tmp_path / "soak.json"
-    with ServerProcess("--max-total-tokens", "2048") as s:
+    with ServerProcess("--max-total-tokens", "2048", warmup=True) as s:
         r = subprocess.run(
             [sys.executable, str(SOAK), "--base-url", s.base_url, "--duration", "120", "--concurrency", "4",
              "--sample-interval", "5", "--warmup", "20", "--server-pid", str(s.proc.pid), "--output-file", str(out)],

@@ -63,12 +63,19 @@ class LoggedProcess:
 
 
 class ServerProcess(LoggedProcess):
-    """Use as a context manager so the server stops even when the test fails."""
+    """Use as a context manager so the server stops even when the test fails.
 
-    def __init__(self, *args: str, env: dict | None = None):
+    warmup: run the start-up warm-up forwards. Off by default: they only spare the first
+    requests some latency, which no test here measures, and over the suite's many starts
+    they add up to minutes. The servers started as the docs and a user start
+    them (the docs' commands, the soak, a start per dtype) and every node of a multi-node
+    server (whose ranks warm up together) keep it; test_tiny_models checks what it runs."""
+
+    def __init__(self, *args: str, env: dict | None = None, warmup: bool = False):
         self.port = get_free_port()
         self.base_url = f"http://127.0.0.1:{self.port}"
-        cmd = [sys.executable, "-m", "srt_lite.launch_server", "--port", str(self.port), *args]
+        skip = [] if warmup or "--skip-server-warmup" in args else ["--skip-server-warmup"]
+        cmd = [sys.executable, "-m", "srt_lite.launch_server", "--port", str(self.port), *args, *skip]
         super().__init__(cmd, f"server_{self.port}", env)
 
     def __enter__(self) -> "ServerProcess":
