@@ -211,7 +211,7 @@ def main(argv: list[str] | None = None) -> dict:
     args = parse_args(argv)
     threads = args.threads_per_worker or max(1, (os.cpu_count() or 1) // args.workers)
     worker_args = ["--enable-cache-report", "--enable-metrics", *args.worker_args.split()]
-    workers = start_workers(args.workers, *worker_args, env={"OMP_NUM_THREADS": str(threads)})
+    workers = start_workers(args.workers, *worker_args, env={"OMP_NUM_THREADS": str(threads)}, warmup=True)
     urls = [w.base_url for w in workers]
     try:
         model = httpx.get(urls[0] + "/v1/models", timeout=10).json()["data"][0]["id"]

@@ -159,7 +159,7 @@ def chat_ids(tokenizer, content: str) -> list[int]:
 def running_server(*server_args: str) -> Iterator[ServerProcess]:
     """A server started with these arguments, ready; its log's tail is printed if the body
     fails."""
-    server = ServerProcess(*server_args, "--log-level", "warning")
+    server = ServerProcess(*server_args, "--log-level", "warning", warmup=True)
     try:
         server.wait_ready(timeout=SERVER_START_S)
         yield server

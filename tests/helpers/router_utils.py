@@ -77,9 +77,10 @@ class RouterProcess(LoggedProcess):
         raise TimeoutError(f"the router still routes to {url} after {timeout} s:\n{self.log_without_polls()[-3000:]}")
 
 
-def start_workers(n: int, *args: str, env: dict | None = None) -> list[ServerProcess]:
-    """n srt_lite servers started together (their start-ups overlap), each ready."""
-    workers = [ServerProcess(*args, env=env) for _ in range(n)]
+def start_workers(n: int, *args: str, env: dict | None = None, warmup: bool = False) -> list[ServerProcess]:
+    """n srt_lite servers started together (their start-ups overlap), each ready; warmup as
+    ServerProcess takes it (a benchmark's workers warm up, as a user's do)."""
+    workers = [ServerProcess(*args, env=env, warmup=warmup) for _ in range(n)]
     try:
         for w in workers:
             w.wait_ready(timeout=180)
