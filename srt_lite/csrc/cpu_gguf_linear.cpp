@@ -881,11 +881,22 @@ constexpr int kPackedRowTile = 4;  // rows of x a pass over a packed group keeps
 constexpr int64_t kQ80PrefetchAhead = 4;  // Q8_0 blocks (8.5 lines each) between a prefetch and its use
 
 inline bool is_packed(int64_t type) { return type >= kPacked; }
+constexpr int64_t kQ4kGroupBytes = 2368;  // a packed Q4_K block of 16 rows; Q5_K's qh start there
+constexpr int64_t kQ5kGroupBytes = 2880;
+// A packed Q4_K (kQ5: Q5_K) block: its bytes, and the next block's lines asked for per chunk.
+template <bool kQ5>
+constexpr int64_t k4_group_bytes() { return kQ5 ? kQ5kGroupBytes : kQ4kGroupBytes; }
+#if defined(__AVX2__)
+template <bool kQ5>
+inline void prefetch_next_k4_chunk(const uint8_t* in, int c) {  // 37 (Q5_K: 45) lines over 4 chunks
+  prefetch_lines<kQ5 ? 12 : 10>(in + k4_group_bytes<kQ5>() + (kQ5 ? 768 : 640) * c);
+}
+#endif
 
 int64_t packed_group_bytes(int64_t type) {  // one block of 16 rows
   switch (type) {
-    case kQ4_K: return 2368;
-    case kQ5_K: return 2880;
+    case kQ4_K: return kQ4kGroupBytes;
+    case kQ5_K: return kQ5kGroupBytes;
     case kQ6_K: return 3360;
     case kQ8_0: return 544;
     default: return 0;
@@ -927,7 +938,7 @@ void repack_group(int64_t type, const uint8_t* src, int64_t row_bytes, int64_t K
           for (int64_t j = 0; j < 8; ++j) std::memcpy(out + 320 + granule(8, c, j, r), qs + 32 * c + 4 * j, 4);
         }
         if (type == kQ5_K) {
-          for (int64_t j = 0; j < 8; ++j) std::memcpy(out + 2368 + granule(8, 0, j, r), blk + 16 + 4 * j, 4);
+          for (int64_t j = 0; j < 8; ++j) std::memcpy(out + kQ4kGroupBytes + granule(8, 0, j, r), blk + 16 + 4 * j, 4);
         }
       } else {  // Q6_K
         std::memcpy(out + 2 * r, blk + 208, 2);
@@ -973,7 +984,7 @@ void unpack_row(int64_t type, const uint8_t* group, int64_t K, int64_t r, uint8_
         for (int64_t j = 0; j < 8; ++j) std::memcpy(qs + 32 * c + 4 * j, in + 320 + granule(8, c, j, r), 4);
       }
       if (type == kQ5_K) {
-        for (int64_t j = 0; j < 8; ++j) std::memcpy(blk + 16 + 4 * j, in + 2368 + granule(8, 0, j, r), 4);
+        for (int64_t j = 0; j < 8; ++j) std::memcpy(blk + 16 + 4 * j, in + kQ4kGroupBytes + granule(8, 0, j, r), 4);
       }
     } else {  // Q6_K
       std::memcpy(blk + 208, in + 2 * r, 2);
@@ -1014,7 +1025,7 @@ inline __m512 halves16(const uint8_t* p) {  // 16 fp16 values to fp32
 template <int MR, bool kQ5>
 __attribute__((target("avx512f,avx512bw,avx512vl,avx512vnni,f16c")))
 void packed_q4k(const uint8_t* group, int64_t K, const QuantizedX& xq, int64_t m0, float* y, int64_t ldy) {
-  constexpr int64_t kBytes = kQ5 ? 2880 : 2368;
+  constexpr int64_t kBytes = k4_group_bytes<kQ5>();
   const __m512i m4 = _mm512_set1_epi8(0xF), fifth = _mm512_set1_epi8(0x10);
   __m512 acc[MR];
   for (int m = 0; m < MR; ++m) acc[m] = _mm512_setzero_ps();
@@ -1023,8 +1034,7 @@ void packed_q4k(const uint8_t* group, int64_t K, const QuantizedX& xq, int64_t m
     __m512i isum[MR], imin[MR];
     for (int m = 0; m < MR; ++m) isum[m] = imin[m] = _mm512_setzero_si512();
     for (int c = 0; c < 4; ++c) {
-      // The next block's 37 (Q5_K: 45) lines, over 4 chunks.
-      prefetch_lines<kQ5 ? 12 : 10>(in + kBytes + (kQ5 ? 768 : 640) * c);
+      prefetch_next_k4_chunk<kQ5>(in, c);
       const int8_t* q[MR];
       __m512i a0[MR], a1[MR];
       for (int m = 0; m < MR; ++m) {
@@ -1035,7 +1045,7 @@ void packed_q4k(const uint8_t* group, int64_t K, const QuantizedX& xq, int64_t m
         const __m512i v = _mm512_loadu_si512(in + 320 + granule(8, c, j, 0));
         __m512i lo = _mm512_and_si512(v, m4), hi = _mm512_and_si512(_mm512_srli_epi16(v, 4), m4);
         if constexpr (kQ5) {  // bits 2c and 2c + 1 of qh to bit 4 of lo and hi
-          const __m512i h = _mm512_srl_epi16(_mm512_loadu_si512(in + 2368 + granule(8, 0, j, 0)), _mm_cvtsi32_si128(2 * c));
+          const __m512i h = _mm512_srl_epi16(_mm512_loadu_si512(in + kQ4kGroupBytes + granule(8, 0, j, 0)), _mm_cvtsi32_si128(2 * c));
           lo = _mm512_or_si512(lo, _mm512_and_si512(_mm512_slli_epi16(h, 4), fifth));
           hi = _mm512_or_si512(hi, _mm512_and_si512(_mm512_slli_epi16(h, 3), fifth));
         }
@@ -1215,13 +1225,13 @@ inline void q4k_block_half(const uint8_t* in, int64_t b, int hf, const Quantized
       a0[m] = a1[m] = _mm256_setzero_si256();
     }
     // The next block, as packed_q4k's; half 1 reads what half 0 did.
-    if (hf == 0) prefetch_lines<kQ5 ? 12 : 10>(in + (kQ5 ? 2880 + 768 * c : 2368 + 640 * c));
+    if (hf == 0) prefetch_next_k4_chunk<kQ5>(in, c);
     const __m256i sc_lo = row_scales_u8(in + 64 + 32 * c + 8 * hf), sc_hi = row_scales_u8(in + 80 + 32 * c + 8 * hf);
     for (int j = 0; j < 8; ++j) {
       const __m256i v = _mm256_loadu_si256(reinterpret_cast<const __m256i*>(in + 320 + granule(8, c, j, 8 * hf)));
       __m256i lo = _mm256_and_si256(v, m4), hi = _mm256_and_si256(_mm256_srli_epi16(v, 4), m4);
       if constexpr (kQ5) {  // bits 2c and 2c + 1 of qh to bit 4 of lo and hi
-        const __m256i h = _mm256_srl_epi16(_mm256_loadu_si256(reinterpret_cast<const __m256i*>(in + 2368 + granule(8, 0, j, 8 * hf))),
+        const __m256i h = _mm256_srl_epi16(_mm256_loadu_si256(reinterpret_cast<const __m256i*>(in + kQ4kGroupBytes + granule(8, 0, j, 8 * hf))),
                                            _mm_cvtsi32_si128(2 * c));
         lo = _mm256_or_si256(lo, _mm256_and_si256(_mm256_slli_epi16(h, 4), fifth));
         hi = _mm256_or_si256(hi, _mm256_and_si256(_mm256_slli_epi16(h, 3), fifth));
