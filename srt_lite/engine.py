@@ -40,7 +40,8 @@ class Engine:
         self._thread = threading.Thread(target=self.loop.run_forever, name="srt_lite-engine", daemon=True)
         self._thread.start()
         self.tokenizer_manager = TokenizerManager(
-            self.server_args, self._launch.port_args, self._launch.model_dir, self._launch.info
+            self.server_args, self._launch.port_args, self._launch.model_dir, self._launch.info,
+            tokenizer=self._launch.tokenizer,
         )
         self.dead: str | None = None
         self._launch.procs.watch(self._on_child_death)

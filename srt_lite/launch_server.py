@@ -59,7 +59,7 @@ def launch_server(server_args: ServerArgs) -> int:
     try:
         name = served_name(server_args, launch.model_dir)
         metrics = MetricsCollector(name) if server_args.enable_metrics else None
-        tm = TokenizerManager(server_args, launch.port_args, launch.model_dir, launch.info, metrics=metrics)
+        tm = TokenizerManager(server_args, launch.port_args, launch.model_dir, launch.info, metrics, launch.tokenizer)
         state = ServerState(tm, launch.model_config, name)
         config = uvicorn.Config(
             build_app(state),

@@ -1,4 +1,4 @@
-"""ModelConfig: what the runtime needs to know of a model, read from its HF config."""
+"""ModelConfig: what the runtime needs to know of a model, read from its HF config files."""
 
 from __future__ import annotations
 
@@ -6,9 +6,8 @@ import logging
 import os
 from dataclasses import dataclass
 
-from transformers import AutoConfig, GenerationConfig, PretrainedConfig
-
 from srt_lite.model_loader.default_model import ModelPathError, resolve_model_path
+from srt_lite.model_loader.hf_config import HFConfig, read_config, read_generation_config
 
 logger = logging.getLogger(__name__)
 
@@ -16,7 +15,7 @@ logger = logging.getLogger(__name__)
 @dataclass
 class ModelConfig:
     path: str  # local HF directory
-    hf_config: PretrainedConfig
+    hf_config: HFConfig
     context_len: int
     num_layers: int
     num_heads: int
@@ -57,13 +56,14 @@ class ModelConfig:
         if model_path is not None and os.path.isfile(os.path.expanduser(model_path)):
             gguf_file = os.path.abspath(os.path.expanduser(model_path))  # resolve accepts only .gguf files
         try:
-            hf = AutoConfig.from_pretrained(path)
+            hf = read_config(path)
+            generation = read_generation_config(path)
         except Exception as e:  # noqa: BLE001 - any parse failure is a bad model dir
             raise ModelPathError(f"cannot read the model config in {path}: {e}") from e
-        from srt_lite.models.registry import get_model_class
+        from srt_lite.models.registry import model_class_name
 
         try:
-            get_model_class(getattr(hf, "architectures", None))
+            model_class_name(getattr(hf, "architectures", None))
         except ValueError as e:
             raise ModelPathError(str(e)) from e
         max_pos = int(getattr(hf, "max_position_embeddings", 2048))
@@ -73,7 +73,6 @@ class ModelConfig:
                 context_length, max_pos,
             )
         head_dim = getattr(hf, "head_dim", None) or hf.hidden_size // hf.num_attention_heads
-        eos = _eos_ids(path, hf)
         return cls(
             path=path,
             hf_config=hf,
@@ -84,8 +83,8 @@ class ModelConfig:
             head_dim=head_dim,
             hidden_size=hf.hidden_size,
             vocab_size=hf.vocab_size,
-            eos_token_ids=eos,
-            generation_defaults=_generation_defaults(path),
+            eos_token_ids=_eos_ids(hf, generation),
+            generation_defaults=_generation_defaults(generation),
             gguf_file=gguf_file,
         )
 
@@ -96,21 +95,13 @@ def _as_list(x) -> list[int]:
     return [int(i) for i in (x if isinstance(x, (list, tuple)) else [x])]
 
 
-def _eos_ids(path: str, hf: PretrainedConfig) -> list[int]:
+def _eos_ids(hf: HFConfig, generation: dict) -> list[int]:
     ids = _as_list(getattr(hf, "eos_token_id", None))
-    try:
-        ids += [i for i in _as_list(GenerationConfig.from_pretrained(path).eos_token_id) if i not in ids]
-    except OSError:
-        pass
-    return ids
+    return ids + [i for i in _as_list(generation.get("eos_token_id")) if i not in ids]
 
 
-def _generation_defaults(path: str) -> dict:
-    """Sampling values the model's generation_config.json sets explicitly (SGLang and vLLM use
-    them as the defaults for fields a request leaves unset)."""
-    try:
-        explicit = GenerationConfig.from_pretrained(path).to_diff_dict()
-    except OSError:
-        return {}
+def _generation_defaults(generation: dict) -> dict:
+    """Sampling values the model's generation_config.json sets (SGLang and vLLM use them as
+    the defaults for fields a request leaves unset)."""
     keys = ("temperature", "top_p", "top_k", "min_p", "repetition_penalty")
-    return {k: explicit[k] for k in keys if explicit.get(k) is not None}
+    return {k: generation[k] for k in keys if generation.get(k) is not None}

@@ -8,8 +8,6 @@ import socket
 import sys
 from typing import Iterable, Iterator, TypeVar
 
-import torch
-
 from srt_lite import envs
 
 logger = logging.getLogger(__name__)
@@ -48,8 +46,14 @@ def progress(items: Iterable[T], total: int, desc: str, enabled: bool = True) ->
     logger.info("%s: %d/%d done", desc, n, total)
 
 
+# torch is imported where it is used: the HTTP process, which never runs the model, starts
+# faster without it.
+
+
 def resolve_device(device: str | None) -> str:
     if device in (None, "auto"):
+        import torch
+
         return "cuda" if torch.cuda.is_available() else "cpu"
     return device
 
@@ -83,6 +87,8 @@ def cache_root() -> str:
 
 def available_memory_bytes(device: str) -> int:
     if device.startswith("cuda"):
+        import torch
+
         free, _total = torch.cuda.mem_get_info()
         return free
     import psutil

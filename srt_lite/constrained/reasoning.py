@@ -12,7 +12,8 @@ from typing import Callable
 
 import torch
 
-from srt_lite.constrained.base import GrammarMatcher, allow_token
+from srt_lite.constrained.base import GrammarMatcher
+from srt_lite.constrained.bitmask import allow_token
 
 THINK_START = "<think>"
 THINK_END = "</think>"

@@ -1,7 +1,7 @@
 """Imported once by the forkserver that the scheduler ranks and the detokenizer fork from
 (srt_lite/entrypoints/child_processes.py), so that each child starts with these modules loaded.
 
-Importing torch, transformers and the scheduler's modules is most of a child's start-up
+Importing torch and the scheduler's modules is most of a child's start-up
 CPU time; with `spawn` every child paid it again, on the same cores as its siblings.
 Nothing here may run a torch op or start a thread: a forked child must get a clean OpenMP
 pool and its own environment (the launcher hands each child its parent's os.environ).
@@ -13,11 +13,9 @@ try:  # initialised here, before a child swaps its environment (it relocates env
     setproctitle.setproctitle("srt_lite::forkserver")
 except ImportError:
     pass
-# What AutoConfig.from_pretrained and AutoTokenizer.from_pretrained import on first use (not
-# transformers.modeling_utils, a second more that srt_lite never needs).
-import transformers.models.auto.tokenization_auto  # noqa: F401
-import transformers.tokenization_utils_tokenizers  # noqa: F401
-import transformers.utils.type_validators  # noqa: F401
+# Not transformers (seconds more): the children read configs and tokenizers without it
+# (model_loader.hf_config, model_loader.tokenizer_cache).
+import tokenizers  # noqa: F401
 
 import srt_lite.managers.detokenizer.detokenizer_manager  # noqa: F401
 import srt_lite.managers.scheduler.scheduler  # noqa: F401

@@ -6,6 +6,7 @@ it imports torch, so that the two import at the same time.
 
 from __future__ import annotations
 
+import importlib
 import multiprocessing as mp
 import os
 from typing import Callable
@@ -32,10 +33,12 @@ def start_forkserver() -> None:
     forkserver.ensure_running()
 
 
-def child_main(env: dict[str, str], target: Callable, *args) -> None:
+def child_main(env: dict[str, str], target: str | Callable, *args) -> None:
     """A child's entry point: the forkserver's environment is the parent's when the forkserver
     started, so the child takes the parent's environment at the time it was started, as under
-    `spawn` (read lazily by torch, oneDNN and srt_lite.envs)."""
+    `spawn` (read lazily by torch, oneDNN and srt_lite.envs). `target` may be named as
+    "module:function", so that the parent need not import the child's modules (the
+    scheduler's import torch; the forkserver has them loaded already)."""
     _drop_forkserver_alive_fd()
     # Only the differences: a wholesale clear() would also undo setproctitle's set-up.
     for key in set(os.environ) - set(env):
@@ -43,6 +46,9 @@ def child_main(env: dict[str, str], target: Callable, *args) -> None:
     for key, value in env.items():
         if os.environ.get(key) != value:
             os.environ[key] = value
+    if isinstance(target, str):
+        module, function = target.split(":")
+        target = getattr(importlib.import_module(module), function)
     target(*args)
 
 

@@ -9,17 +9,21 @@ import os
 import shutil
 import signal
 import threading
+from concurrent.futures import Future
 from multiprocessing.connection import wait
-from typing import Callable
+from typing import Any, Callable
 
 from srt_lite.entrypoints.child_processes import child_context, child_main, start_forkserver
-from srt_lite.managers.detokenizer.detokenizer_manager import run_detokenizer_process
 from srt_lite.managers.io_struct import PortArgs, SchedulerReady
-from srt_lite.managers.scheduler.scheduler import run_scheduler_process
 from srt_lite.model_config import ModelConfig
+from srt_lite.model_loader import tokenizer_cache
 from srt_lite.server_args import ServerArgs
 
 logger = logging.getLogger(__name__)
+
+# The children's entry points, by name (child_processes.child_main).
+SCHEDULER_MAIN = "srt_lite.managers.scheduler.scheduler:run_scheduler_process"
+DETOKENIZER_MAIN = "srt_lite.managers.detokenizer.detokenizer_manager:run_detokenizer_process"
 
 
 class Subprocesses:
@@ -29,7 +33,9 @@ class Subprocesses:
         self.stopping = False
         self._watchdog: threading.Thread | None = None
 
-    def start(self, name: str, target, args: tuple) -> mp.connection.Connection:
+    def start(self, name: str, target: str, args: tuple) -> mp.connection.Connection:
+        """Starts `target` ("module:function") as a child named `name`; it is called with
+        `args` and the write end of the returned pipe, on which it says ready or why not."""
         ctx = child_context()
         reader, writer = ctx.Pipe(duplex=False)
         proc = ctx.Process(target=child_main, args=(dict(os.environ), target, *args, writer), name=name, daemon=True)
@@ -83,12 +89,27 @@ class Subprocesses:
         shutil.rmtree(self.port_args.ipc_dir, ignore_errors=True)
 
 
+def in_background(fn: Callable, *args) -> Future:
+    """fn(*args) on a daemon thread (which never holds up the exit of a failed start)."""
+    future: Future = Future()
+
+    def run() -> None:
+        try:
+            future.set_result(fn(*args))
+        except BaseException as e:  # noqa: BLE001 - handed to whoever waits for the result
+            future.set_exception(e)
+
+    threading.Thread(target=run, name="srt_lite-tokenizer", daemon=True).start()
+    return future
+
+
 @dataclasses.dataclass
 class LaunchResult:
     procs: Subprocesses
     port_args: PortArgs
     model_config: ModelConfig
     info: SchedulerReady
+    tokenizer: Any = None  # transformers' tokenizer, for node 0's TokenizerManager
 
     @property
     def model_dir(self) -> str:
@@ -98,7 +119,8 @@ class LaunchResult:
 def launch_subprocesses(server_args: ServerArgs) -> LaunchResult:
     """Converts the model if needed (once, here, so children never race on it), then starts
     this node's scheduler rank(s) and, on node 0, the detokenizer, and waits until every one
-    is ready."""
+    is ready. Node 0 loads transformers' tokenizer meanwhile (seconds of imports that the
+    children, which do without transformers, leave this process)."""
     start_forkserver()
     model_config = ModelConfig.load(server_args.model_path, server_args.context_length)
     model_config.verify_tp(server_args.tp_size)
@@ -106,14 +128,19 @@ def launch_subprocesses(server_args: ServerArgs) -> LaunchResult:
     child_args = dataclasses.replace(server_args, model_path=model_config.gguf_file or model_config.path)
     port_args = PortArgs.create(server_args.tp_size, server_args.dist_init_addr)
     procs = Subprocesses(port_args)
+    # On its own thread: starting a child waits for the forkserver's imports, and these are
+    # seconds of imports too.
+    tokenizer = in_background(tokenizer_cache.load_transformers, model_config.path) if server_args.node_rank == 0 else None
     try:
         readers = []
         for rank in server_args.local_tp_ranks():
             name = f"scheduler_TP{rank}"
-            readers.append((name, procs.start(name, run_scheduler_process, (child_args, port_args, rank))))
+            readers.append((name, procs.start(name, SCHEDULER_MAIN, (child_args, port_args, rank))))
         if server_args.node_rank == 0:
-            readers.append(("detokenizer", procs.start("detokenizer", run_detokenizer_process, (child_args, port_args, model_config.path))))
+            readers.append(("detokenizer", procs.start("detokenizer", DETOKENIZER_MAIN, (child_args, port_args, model_config.path))))
         infos = procs.wait_ready(readers)
+        if tokenizer is not None:
+            tokenizer = tokenizer.result()
     except BaseException:
         procs.shutdown()
         raise
@@ -123,7 +150,7 @@ def launch_subprocesses(server_args: ServerArgs) -> LaunchResult:
         os.path.basename(model_config.path.rstrip("/")), info.max_total_num_tokens, info.max_context_len,
         info.dtype, info.device,
     )
-    return LaunchResult(procs, port_args, model_config, info)
+    return LaunchResult(procs, port_args, model_config, info, tokenizer)
 
 
 def run_follower_node(server_args: ServerArgs) -> int:

@@ -45,7 +45,9 @@ def _inv_freq(hf_config, head_dim: int) -> tuple[torch.Tensor, float]:
 
     if rope_type not in ROPE_INIT_FUNCTIONS:
         raise ValueError(f"unsupported rope_type {rope_type!r}")
-    inv_freq, scaling = ROPE_INIT_FUNCTIONS[rope_type](hf_config, "cpu")
+    # The initialisers read transformers' own config object (its standardised RoPE fields).
+    reference = hf_config.to_transformers() if hasattr(hf_config, "to_transformers") else hf_config
+    inv_freq, scaling = ROPE_INIT_FUNCTIONS[rope_type](reference, "cpu")
     return inv_freq.float(), float(scaling)
 
 

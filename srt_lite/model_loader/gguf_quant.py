@@ -13,7 +13,6 @@ which is the form of torch's CPU int4 matmul (layers/linear.py, Int4Weight).
 
 from __future__ import annotations
 
-import json
 import logging
 import os
 
@@ -21,29 +20,11 @@ import torch
 
 from srt_lite.model_loader import gguf_model
 from srt_lite.model_loader.gguf_reader import GGUFFile
-from srt_lite.utils import write_json_atomic
 
 logger = logging.getLogger(__name__)
 
-# Written next to a converted checkpoint: the GGUF file it came from.
-SOURCE_FILE = "srt_lite_gguf_source.json"
 CACHE_FILE = "srt_lite_q4.st"  # load_q4_tensors' cache (safetensors; not *.safetensors, which are the checkpoint)
 GROUP = 32  # weights per GGUF block
-
-
-def write_source(model_dir: str, gguf_path: str) -> None:
-    """Records which GGUF file a converted checkpoint came from (atomically)."""
-    write_json_atomic(os.path.join(model_dir, SOURCE_FILE), {"gguf_file": os.path.abspath(gguf_path)})
-
-
-def source_gguf(model_dir: str) -> str | None:
-    """The GGUF file a converted checkpoint came from, if it still exists."""
-    try:
-        with open(os.path.join(model_dir, SOURCE_FILE)) as f:
-            path = json.load(f)["gguf_file"]
-    except (OSError, ValueError, KeyError):
-        return None
-    return path if os.path.isfile(path) else None
 
 
 def _decode_blocks(raw: torch.Tensor, kind: str, rows: int, cols: int) -> tuple[torch.Tensor, ...]:

@@ -1,29 +1,37 @@
-"""Maps a config's `architectures` entry to our model class."""
+"""Maps a config's `architectures` entry to our model class.
+
+The table names modules rather than importing them, so that a process that only checks a
+config (the HTTP server's, which never imports torch) can say which models are supported.
+"""
 
 from __future__ import annotations
 
 import importlib
 
-_MODULES = ["llama", "qwen2", "qwen3"]
+# Class name -> the module under srt_lite.models that defines it (in its EntryClass).
+_MODULES = {"LlamaForCausalLM": "llama", "Qwen2ForCausalLM": "qwen2", "Qwen3ForCausalLM": "qwen3"}
 
 
-def _all_models() -> dict[str, type]:
-    out = {}
-    for mod in _MODULES:
-        for cls in importlib.import_module(f"srt_lite.models.{mod}").EntryClass:
-            out[cls.__name__] = cls
-            # The base model (an embedding checkpoint saved from, say, Qwen3Model) loads into
-            # the same class: its tensors lack the "model." prefix and the LM head, which the
-            # loader allows (LlamaForCausalLM.load_weights).
-            out[cls.__name__.replace("ForCausalLM", "Model")] = cls
-    return out
+def _known() -> dict[str, str]:
+    """Every accepted architecture name -> its class name. The base model (an embedding
+    checkpoint saved from, say, Qwen3Model) loads into the same class: its tensors lack the
+    "model." prefix and the LM head, which the loader allows (LlamaForCausalLM.load_weights)."""
+    names = {name: name for name in _MODULES}
+    names.update({name.replace("ForCausalLM", "Model"): name for name in _MODULES})
+    return names
+
+
+def model_class_name(architectures: list[str] | None) -> str:
+    """The class that serves the first supported entry of `architectures`; ValueError if none is."""
+    known = _known()
+    for arch in architectures or []:
+        if arch in known:
+            return known[arch]
+    raise ValueError(
+        f"unsupported model architecture {architectures}; supported: {', '.join(sorted(known))}"
+    )
 
 
 def get_model_class(architectures: list[str] | None) -> type:
-    models = _all_models()
-    for arch in architectures or []:
-        if arch in models:
-            return models[arch]
-    raise ValueError(
-        f"unsupported model architecture {architectures}; supported: {', '.join(sorted(models))}"
-    )
+    name = model_class_name(architectures)
+    return getattr(importlib.import_module(f"srt_lite.models.{_MODULES[name]}"), name)

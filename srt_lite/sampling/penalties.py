@@ -5,7 +5,7 @@ from __future__ import annotations
 
 import torch
 
-from srt_lite.constrained.base import allocate_bitmask, apply_bitmask
+from srt_lite.constrained.bitmask import allocate_bitmask, apply_bitmask
 from srt_lite.sampling.sampling_batch_info import SamplingBatchInfo
 
 

@@ -7,9 +7,12 @@ from __future__ import annotations
 import os
 from multiprocessing import forkserver
 
+import httpx
 import psutil
 
+from server_utils import ServerProcess
 from srt_lite.entrypoints.child_processes import child_context, child_main, start_forkserver
+from srt_lite.model_loader import tokenizer_cache
 
 VAR = "SRT_LITE_TEST_CHILD_ENV"
 
@@ -50,3 +53,34 @@ def test_preloaded_forkserver_runs_no_threads():
     server = psutil.Process(forkserver._forkserver._forkserver_pid)
     assert server.name() == "srt_lite::forkserver"
     assert server.num_threads() == 1
+
+
+# Loaded through PYTHONPATH into every process of a server: notes which processes import
+# transformers, by their titles.
+IMPORT_HOOK = '''
+import os, sys
+
+class _NoteTransformers:
+    def find_spec(self, name, path=None, target=None):
+        if name == "transformers":
+            sys.meta_path.remove(self)
+            with open(os.environ["SRT_LITE_TEST_IMPORT_LOG"], "a") as f:
+                f.write(open(f"/proc/{os.getpid()}/cmdline").read().split("\\0")[0] + "\\n")
+        return None
+
+sys.meta_path.insert(0, _NoteTransformers())
+'''
+
+
+def test_only_the_http_process_imports_transformers(default_model_dir, tmp_path):
+    """The scheduler and detokenizer read the config and the cached tokenizer pipeline
+    without transformers (seconds of every start); the forkserver does not import it."""
+    tokenizer_cache.load_transformers(default_model_dir)  # a first start would cache this
+    (tmp_path / "sitecustomize.py").write_text(IMPORT_HOOK)
+    log = tmp_path / "imports.log"
+    path = os.pathsep.join(filter(None, [str(tmp_path), os.environ.get("PYTHONPATH")]))
+    with ServerProcess(env={"PYTHONPATH": path, "SRT_LITE_TEST_IMPORT_LOG": str(log)}) as server:
+        out = httpx.post(f"{server.base_url}/generate", json={"text": "Hi", "sampling_params": {"max_new_tokens": 4}}, timeout=60)
+        assert out.status_code == 200
+        titles = sorted(log.read_text().split())
+    assert titles == ["srt_lite::server"]

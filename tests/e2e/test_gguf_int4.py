@@ -20,7 +20,7 @@ from srt_lite.layers.cpu_linear.packable import PackableLinear
 from srt_lite.model_config import ModelConfig
 from srt_lite.model_executor.model_runner import ModelRunner
 from srt_lite.model_loader import gguf_quant
-from srt_lite.model_loader.default_model import default_gguf_path
+from srt_lite.model_loader.default_model import default_gguf_path, source_gguf
 from srt_lite.server_args import ServerArgs
 from tiny_models import make_tiny_model
 
@@ -60,7 +60,7 @@ def test_cache_holds_what_the_gguf_holds(q4, tmp_path):
 
 
 def test_converted_checkpoint_records_its_gguf(default_model_dir):
-    assert gguf_quant.source_gguf(default_model_dir) == default_gguf_path()
+    assert source_gguf(default_model_dir) == default_gguf_path()
 
 
 def _runner(dtype: str, quantization: str | None) -> ModelRunner:

@@ -11,7 +11,8 @@ import pytest
 import torch
 
 from srt_lite.constrained import backend_class
-from srt_lite.constrained.base import GrammarError, allocate_bitmask, allow_token, apply_bitmask
+from srt_lite.constrained.base import GrammarError
+from srt_lite.constrained.bitmask import allocate_bitmask, allow_token, apply_bitmask
 from srt_lite.constrained.reasoning import ReasoningMatcher, ThinkTags
 from srt_lite.managers.scheduler.grammar_manager import GrammarManager
 from srt_lite.req import Req
@@ -215,7 +216,7 @@ def test_queue_compiles_once_per_grammar_and_keeps_arrival_order(tokenizer):
     calls = []
     compile_ = backend.compile
     backend.compile = lambda kind, text: calls.append(kind) or compile_(kind, text)
-    mgr = GrammarManager(backend, None)
+    mgr = GrammarManager(lambda: backend, None)
     schema = json.dumps(SCHEMA)
     reqs = [grammar_req("a", json_schema=schema), grammar_req("b", regex="x+"), grammar_req("c", json_schema=schema)]
     for r in reqs:
@@ -227,8 +228,34 @@ def test_queue_compiles_once_per_grammar_and_keeps_arrival_order(tokenizer):
     assert not any(r.finished for r in out)
 
 
+def test_queue_builds_its_backend_once_at_the_first_grammar(tokenizer):
+    built = []
+
+    def make():
+        built.append(backend_class("xgrammar")(tokenizer, VOCAB, [EOS]))
+        return built[-1]
+
+    mgr = GrammarManager(make, None)
+    assert built == [] and mgr.backend is None  # nothing until a request has a grammar
+    mgr.add(grammar_req("a", regex="a+"))
+    mgr.add(grammar_req("b", regex="b+"))
+    assert [r.rid for r in drain(mgr)] == ["a", "b"]
+    assert len(built) == 1 and mgr.backend is built[0]
+
+
+def test_queue_fails_requests_when_its_backend_cannot_be_built():
+    def make():
+        raise RuntimeError("no tokenizer here")
+
+    mgr = GrammarManager(make, None)
+    mgr.add(grammar_req("a", regex="a+"))
+    (a,) = drain(mgr)
+    assert a.finished_reason["type"] == "abort" and "no tokenizer here" in a.finished_reason["message"]
+
+
 def test_queue_fails_bad_grammars_and_aborts_waiting_requests(tokenizer):
-    mgr = GrammarManager(backend_class("xgrammar")(tokenizer, VOCAB, [EOS]), None)
+    backend = backend_class("xgrammar")(tokenizer, VOCAB, [EOS])
+    mgr = GrammarManager(lambda: backend, None)
     mgr.add(grammar_req("bad", regex="a(b"))
     mgr.add(grammar_req("gone", regex="a+"))
     assert [r.rid for r in mgr.abort("gone")] == ["gone"]

@@ -16,6 +16,7 @@ import zmq
 from srt_lite.managers import io_struct
 from srt_lite.managers.io_struct import BatchStrOut, BatchTokenIDOut, PortArgs
 from srt_lite.managers.detokenizer.incremental_detokenizer import IncrementalDetokenizer
+from srt_lite.model_loader import tokenizer_cache
 from srt_lite.sampling.stop_strings import StopStringMatcher
 from srt_lite.server_args import ServerArgs
 from srt_lite.utils import configure_logging, init_child_process, zmq_socket
@@ -87,9 +88,7 @@ def run_detokenizer_process(server_args: ServerArgs, port_args: PortArgs, model_
     init_child_process("srt_lite::detokenizer", port_args.ipc_dir)
     configure_logging(server_args.log_level, prefix="detokenizer")
     try:
-        from transformers import AutoTokenizer
-
-        manager = DetokenizerManager(AutoTokenizer.from_pretrained(model_dir), port_args)
+        manager = DetokenizerManager(tokenizer_cache.load(model_dir), port_args)
         pipe.send(("ready", {}))
         manager.event_loop()
     except Exception as e:  # noqa: BLE001

@@ -6,6 +6,10 @@ once its grammar is ready, or ends with the compiler's error (a 400 for the clie
 Compiled grammars are cached by (kind, text): the n choices of a request, and clients that
 send the same schema every time, compile once.
 
+The backend itself is built by the first compile, on the same thread (vLLM builds its own at
+the first structured request too): its libraries import transformers and index the vocabulary,
+seconds of every start that servers without structured outputs would otherwise pay.
+
 With tensor parallelism every rank compiles on its own; a request leaves the queue only when
 all ranks have its grammar (`tp_min`), so every rank admits it in the same step.
 """
@@ -16,6 +20,7 @@ import concurrent.futures
 import logging
 from collections import OrderedDict
 from concurrent.futures import Future, ThreadPoolExecutor
+from typing import Any, Callable
 
 from srt_lite.constrained.base import GrammarBackend, GrammarError
 from srt_lite.constrained.reasoning import ReasoningMatcher, ThinkTags
@@ -29,10 +34,11 @@ CACHE_SIZE = 256
 
 
 class GrammarManager:
-    def __init__(self, backend: GrammarBackend | None, think_tags: ThinkTags | None):
-        self.backend = backend
+    def __init__(self, make_backend: Callable[[], GrammarBackend] | None, think_tags: ThinkTags | None):
+        self.make_backend = make_backend  # None: structured outputs are off
+        self.backend: GrammarBackend | None = None  # built by the first compile
         self.think_tags = think_tags
-        self.pool = ThreadPoolExecutor(max_workers=1, thread_name_prefix="grammar") if backend else None
+        self.pool = ThreadPoolExecutor(max_workers=1, thread_name_prefix="grammar") if make_backend else None
         self.cache: OrderedDict[tuple[str, str], Future] = OrderedDict()
         self.queue: list[tuple[Req, Future]] = []
 
@@ -45,16 +51,22 @@ class GrammarManager:
         key = (g.kind, g.text)  # the same grammar from another field compiles once
         future = self.cache.get(key)
         if future is None:
-            if self.backend is None:
+            if self.make_backend is None:
                 future = Future()
                 future.set_exception(GrammarError("structured outputs are off on this server (--grammar-backend none)"))
             else:
-                future = self.pool.submit(self.backend.compile, *key)
+                future = self.pool.submit(self._compile, *key)
             self.cache[key] = future
             while len(self.cache) > CACHE_SIZE:
                 self.cache.popitem(last=False)
         self.cache.move_to_end(key)
         self.queue.append((req, future))
+
+    def _compile(self, kind: str, text: str) -> Any:
+        """Runs on the pool's one thread, so the backend is built once."""
+        if self.backend is None:
+            self.backend = self.make_backend()
+        return self.backend.compile(kind, text)
 
     def ready(self) -> list[Req]:
         """Requests whose grammar is ready, in arrival order, each with its matcher; a request

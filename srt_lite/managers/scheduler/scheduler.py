@@ -48,6 +48,7 @@ from srt_lite.managers.scheduler.tp_worker import TpModelWorker
 from srt_lite.managers.validation import RequestError, check_input, parse_sampling_params
 from srt_lite.mem_cache.req_kv import ReqKVManager
 from srt_lite.model_config import ModelConfig
+from srt_lite.model_loader import tokenizer_cache
 from srt_lite.req import Req
 from srt_lite.sampling.sampling_batch_info import SamplingBatchInfo
 from srt_lite.sampling.sampling_params import SamplingParams
@@ -65,16 +66,20 @@ STOP_GRACE_S = 10.0
 GRAMMAR_POLL_S = 0.005
 
 
-def load_tokenizer_and_grammar(config: ModelConfig, backend_name: str) -> tuple[Any, GrammarBackend | None]:
-    """The tokenizer and the grammar backend built on it (None with --grammar-backend none).
-    On a large vocabulary both are about a second of mostly Python work, so the scheduler
-    runs this on a thread while the model loads, whose reads, repacks and page faults run
-    outside the GIL."""
-    from transformers import AutoTokenizer
-
-    tokenizer = AutoTokenizer.from_pretrained(config.path)
+def grammar_backend_factory(config: ModelConfig, backend_name: str) -> Callable[[], GrammarBackend] | None:
+    """What builds the grammar backend at the first grammar request (GrammarManager), with
+    transformers' tokenizer, which the grammar libraries read; None with --grammar-backend
+    none. A missing package is an error now, at start."""
     backend = backend_class(backend_name)
-    return tokenizer, backend and backend(tokenizer, config.vocab_size, config.eos_token_ids)
+    if backend is None:
+        return None
+
+    def make() -> GrammarBackend:
+        from transformers import AutoTokenizer
+
+        return backend(AutoTokenizer.from_pretrained(config.path), config.vocab_size, config.eos_token_ids)
+
+    return make
 
 
 class Scheduler:
@@ -82,8 +87,11 @@ class Scheduler:
         args = self.server_args = server_args
         self.tp_rank = tp_rank
         self.model_config = ModelConfig.load(args.model_path, args.context_length)
+        make_grammar_backend = grammar_backend_factory(self.model_config, args.grammar_backend)
+        # Reading the vocabulary is mostly Python work: done on a thread while the model loads,
+        # whose reads, repacks and page faults run outside the GIL.
         text_pool = ThreadPoolExecutor(max_workers=1, thread_name_prefix="tokenizer")
-        text_side = text_pool.submit(load_tokenizer_and_grammar, self.model_config, args.grammar_backend)
+        text_side = text_pool.submit(tokenizer_cache.load, self.model_config.path)
         self.worker = TpModelWorker(self.model_config, args)
         runner = self.worker.model_runner
         self.device = runner.device
@@ -109,9 +117,9 @@ class Scheduler:
         self.stats = SchedulerStats(
             self.kv, self.running, self.prefill, args.decode_log_interval, self.drafter is not None, tp_rank == 0
         )
-        tokenizer, grammar_backend = text_side.result()
+        tokenizer = text_side.result()
         text_pool.shutdown()
-        self.grammars = GrammarManager(grammar_backend, ThinkTags.from_tokenizer(tokenizer) if args.reasoning_parser else None)
+        self.grammars = GrammarManager(make_grammar_backend, ThinkTags.from_tokenizer(tokenizer) if args.reasoning_parser else None)
         finish = FinishChecker(tokenizer, set(self.model_config.eos_token_ids), self.context_len)
         self.outputs = OutputProcessor(self.kv, self.running, self.io, finish, self.stats, self.drafter)
         self.crash_at_step = envs.TEST_CRASH_AT_STEP.get_int()

@@ -32,6 +32,7 @@ from srt_lite.managers.io_struct import (
 )
 from srt_lite.managers.tokenizer.req_state import ReqState
 from srt_lite.managers.validation import NO_LOGPROBS, LogprobOptions, RequestError, check_input, parse_sampling_params
+from srt_lite.model_loader import tokenizer_cache
 from srt_lite.sampling.sampling_params import SamplingParams
 from srt_lite.server_args import ServerArgs
 from srt_lite.utils import zmq_socket
@@ -57,14 +58,15 @@ class TokenizerManager:
         model_dir: str,
         info: SchedulerReady,
         metrics: MetricsCollector | None = None,
+        tokenizer: Any = None,
     ):
-        from transformers import AutoTokenizer
-
         self.server_args = server_args
         self.port_args = port_args
         self.info = info
         self.context_len = info.max_context_len
-        self.tokenizer = AutoTokenizer.from_pretrained(model_dir)
+        # transformers' tokenizer (chat templates, offsets); launch_subprocesses loads it while
+        # the children start.
+        self.tokenizer = tokenizer or tokenizer_cache.load_transformers(model_dir)
         self.metrics = metrics  # request metrics are recorded only when a collector is given
         self.grammar_backend = backend_class(server_args.grammar_backend)
         self._valid_grammars: dict[tuple[str, str], None] = {}  # checked already (bounded)
