@@ -30,7 +30,7 @@ import time
 import torch
 
 from srt_lite.constrained import backend_class
-from srt_lite.constrained.base import allocate_bitmask, apply_bitmask
+from srt_lite.constrained.bitmask import allocate_bitmask, apply_bitmask
 from srt_lite.model_config import ModelConfig
 from srt_lite.model_executor.forward_batch import ForwardBatch
 from srt_lite.model_executor.model_runner import ModelRunner
