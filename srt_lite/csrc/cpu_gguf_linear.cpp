@@ -878,6 +878,10 @@ void dot_rows(int64_t type, const uint8_t* row, int64_t K, const QuantizedX& xq,
 constexpr int64_t kPacked = 256;
 constexpr int64_t kGroup = 16;
 constexpr int kPackedRowTile = 4;  // rows of x a pass over a packed group keeps in registers
+// AVX2's Q6_K serves 8 rows a pass: decoding its 6-bit codes costs about two rows' products, so
+// sharing one decode among 8 rows beats two passes of 4 even with accumulators spilled to L1.
+// Q4_K, Q5_K and Q8_0 codes decode in an op or two and keep the 4-row tile.
+constexpr int kQ6kRowTileAvx2 = 8;
 constexpr int64_t kQ80PrefetchAhead = 4;  // Q8_0 blocks (8.5 lines each) between a prefetch and its use
 
 inline bool is_packed(int64_t type) { return type >= kPacked; }
@@ -1389,27 +1393,43 @@ bool packs_type(int64_t type) {
 #endif
 }
 
+// Rows of x that one pass over a packed group of `type` serves.
+inline int packed_row_tile(int64_t type) {
+#if defined(CPU_CAPABILITY_AVX512) && defined(__GNUC__)
+  if (g_allow_vnni) return kPackedRowTile;
+#endif
+  return type == kQ6_K ? kQ6kRowTileAvx2 : kPackedRowTile;
+}
+
 // Rows [m0, m0 + MR) of x against one packed group: the VNNI kernels where allowed, else AVX2's.
 template <int MR>
 void packed_tile_any(int64_t type, const uint8_t* group, int64_t K, const QuantizedX& xq, int64_t m0, float* y,
                      int64_t ldy) {
 #if defined(CPU_CAPABILITY_AVX512) && defined(__GNUC__)
-  if (g_allow_vnni) return packed_tile<MR>(type, group, K, xq, m0, y, ldy);
+  if constexpr (MR <= kPackedRowTile) {  // the VNNI tiles (packed_row_tile)
+    if (g_allow_vnni) return packed_tile<MR>(type, group, K, xq, m0, y, ldy);
+  }
 #endif
 #if defined(__AVX2__)
   packed_tile_avx2<MR>(type, group, K, xq, m0, y, ldy);
 #endif
 }
 
-// All M rows of x against one packed group (type without the kPacked flag).
+// All M rows of x against one packed group (type without the kPacked flag). A row's result
+// does not depend on the tile it is in: each row sums its products in the same order.
 void packed_rows(int64_t type, const uint8_t* group, int64_t K, const QuantizedX& xq, int64_t M, float* y, int64_t ldy) {
   TORCH_CHECK(packs_type(type), "gguf_linear: no packed kernel for type ", type, " on this CPU");
-  for (int64_t m0 = 0; m0 < M; m0 += kPackedRowTile) {
-    switch (std::min<int64_t>(kPackedRowTile, M - m0)) {
+  const int tile = packed_row_tile(type);
+  for (int64_t m0 = 0; m0 < M; m0 += tile) {
+    switch (std::min<int64_t>(tile, M - m0)) {
       case 1: packed_tile_any<1>(type, group, K, xq, m0, y, ldy); break;
       case 2: packed_tile_any<2>(type, group, K, xq, m0, y, ldy); break;
       case 3: packed_tile_any<3>(type, group, K, xq, m0, y, ldy); break;
-      default: packed_tile_any<4>(type, group, K, xq, m0, y, ldy); break;
+      case 4: packed_tile_any<4>(type, group, K, xq, m0, y, ldy); break;
+      case 5: packed_tile_any<5>(type, group, K, xq, m0, y, ldy); break;
+      case 6: packed_tile_any<6>(type, group, K, xq, m0, y, ldy); break;
+      case 7: packed_tile_any<7>(type, group, K, xq, m0, y, ldy); break;
+      default: packed_tile_any<kQ6kRowTileAvx2>(type, group, K, xq, m0, y, ldy); break;
     }
   }
 }

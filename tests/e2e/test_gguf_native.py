@@ -181,7 +181,7 @@ def test_packed_products_equal_int8_activations(name):
     weight = GGUFWeight([(t, raw[:32]), (t, raw[32:40])], k)
     assert weight.kernel_ids == [t.id + PACKED_ID, t.id]  # 8 rows are not a packed group
     block = 256 if t.unit == 256 else 32
-    for rows in (1, 3, 4, 5, DOT_ROWS):
+    for rows in (1, 3, 4, 5, 8, 11, DOT_ROWS):  # the row tiles (4; 8 for Q6_K on AVX2) and their tails
         x = torch.randn(rows, k, generator=g)
         xq = _int8_activations(x, block)
         want = xq @ gguf_types.dequantize(raw[:40], t, k).double().t()
