@@ -1415,10 +1415,10 @@ void packed_tile_any(int64_t type, const uint8_t* group, int64_t K, const Quanti
 #endif
 }
 
-// All M rows of x against one packed group (type without the kPacked flag). A row's result
-// does not depend on the tile it is in: each row sums its products in the same order.
+// All M rows of x against one packed group (type without the kPacked flag; the caller has
+// checked packs_type, outside its threads). A row's result does not depend on the tile it is
+// in: each row sums its products in the same order.
 void packed_rows(int64_t type, const uint8_t* group, int64_t K, const QuantizedX& xq, int64_t M, float* y, int64_t ldy) {
-  TORCH_CHECK(packs_type(type), "gguf_linear: no packed kernel for type ", type, " on this CPU");
   const int tile = packed_row_tile(type);
   for (int64_t m0 = 0; m0 < M; m0 += tile) {
     switch (std::min<int64_t>(tile, M - m0)) {
