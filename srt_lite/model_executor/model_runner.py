@@ -97,6 +97,18 @@ class ModelRunner:
         )
 
     def load_model(self) -> None:
+        # While the ranks load, the main process imports transformers and loads its tokenizer,
+        # which keeps one core busy. A pool that takes every core would wait at each parallel
+        # op of the load for the thread that lost its core, so on the CPU the load leaves one.
+        threads = torch.get_num_threads()
+        if self.device == "cpu" and threads > 1:
+            torch.set_num_threads(threads - 1)
+        try:
+            self._build_model()
+        finally:
+            torch.set_num_threads(threads)
+
+    def _build_model(self) -> None:
         t0 = time.perf_counter()
         cfg = self.model_config
         cls = get_model_class(getattr(cfg.hf_config, "architectures", None))

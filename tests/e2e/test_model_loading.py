@@ -12,6 +12,8 @@ from srt_lite.model_config import ModelConfig
 from srt_lite.model_loader import default_model
 from srt_lite.model_loader.default_model import ModelPathError, resolve_model_path
 from srt_lite.model_executor.dtype import resolve_dtype
+from srt_lite.model_executor.model_runner import ModelRunner
+from srt_lite.server_args import ServerArgs
 
 
 def test_gguf_file_is_prepared_once_without_its_weights(tmp_path, monkeypatch):
@@ -102,3 +104,18 @@ def test_parameter_count_from_the_config(default_model_config, hf_model):
     as transformers counts them, less its norms' few thousand weights."""
     n = default_model_config.approx_num_params()
     assert 0 <= hf_model.num_parameters() - n < 0.001 * n
+
+
+def test_loading_leaves_one_core_to_the_main_process(default_model_config, monkeypatch):
+    """The CPU load runs on one thread fewer (the main process loads its tokenizer meanwhile)
+    and the runner serves with every thread again."""
+    seen = []
+    build = ModelRunner._build_model
+    monkeypatch.setattr(ModelRunner, "_build_model", lambda self: seen.append(torch.get_num_threads()) or build(self))
+    before = torch.get_num_threads()
+    torch.set_num_threads(2)
+    try:
+        ModelRunner(default_model_config, ServerArgs(dtype="float32", max_total_tokens=1024, skip_server_warmup=True))
+        assert seen == [1] and torch.get_num_threads() == 2
+    finally:
+        torch.set_num_threads(before)

@@ -100,7 +100,7 @@ class ServerProcess(LoggedProcess):
                     return self
             except httpx.HTTPError:
                 pass
-            time.sleep(0.25)
+            time.sleep(0.1)
         raise TimeoutError(f"server not ready:\n{self.read_log()}")
 
     def ipc_dir(self) -> str | None:
