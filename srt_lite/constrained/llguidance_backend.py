@@ -3,11 +3,13 @@ and reads EBNF through its GBNF-to-Lark converter; it has no structural tags."""
 
 from __future__ import annotations
 
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
-import torch
 
 from srt_lite.constrained.base import GrammarBackend, GrammarError, GrammarMatcher, clean_error
+
+if TYPE_CHECKING:  # the HTTP process checks grammars without torch
+    import torch
 
 # Compact JSON with ", " and ": ", as the xgrammar backend writes it (see there why).
 _JSON_OPTIONS = {"whitespace_flexible": False, "item_separator": ", ", "key_separator": ": "}

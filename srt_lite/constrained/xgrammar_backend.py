@@ -3,12 +3,14 @@
 from __future__ import annotations
 
 import re
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 import orjson
-import torch
 
 from srt_lite.constrained.base import GrammarBackend, GrammarError, GrammarMatcher, clean_error
+
+if TYPE_CHECKING:  # the HTTP process checks grammars without torch
+    import torch
 
 # JSON is generated compactly but readably (", " and ": " between items, no newlines):
 # allowing any whitespace lets small models loop on newlines until max_tokens, which is

@@ -5,6 +5,7 @@ thread (no OpenMP pool or other thread that a fork would leave broken)."""
 from __future__ import annotations
 
 import os
+import time
 from multiprocessing import forkserver
 
 import httpx
@@ -55,26 +56,38 @@ def test_preloaded_forkserver_runs_no_threads():
     assert server.num_threads() == 1
 
 
-# Loaded through PYTHONPATH into every process of a server: notes which processes import
-# transformers, by their titles.
+# Loaded through PYTHONPATH into every process of a server: notes, by title, which processes
+# import transformers, and whether the HTTP process ever holds torch (polled: transformers
+# asks for torch's spec without importing it, so an import hook would see false imports).
 IMPORT_HOOK = '''
-import os, sys
+import os, sys, threading, time
+
+def _note(what):
+    with open(os.environ["SRT_LITE_TEST_IMPORT_LOG"], "a") as f:
+        f.write(open(f"/proc/{os.getpid()}/cmdline").read().split("\\0")[0] + " " + what + "\\n")
 
 class _NoteTransformers:
     def find_spec(self, name, path=None, target=None):
         if name == "transformers":
             sys.meta_path.remove(self)
-            with open(os.environ["SRT_LITE_TEST_IMPORT_LOG"], "a") as f:
-                f.write(open(f"/proc/{os.getpid()}/cmdline").read().split("\\0")[0] + "\\n")
+            _note(name)
         return None
 
+def _watch_torch():
+    while "torch" not in sys.modules:
+        time.sleep(0.02)
+    _note("torch")
+
 sys.meta_path.insert(0, _NoteTransformers())
+if "srt_lite.launch_server" in open("/proc/self/cmdline").read():
+    threading.Thread(target=_watch_torch, daemon=True).start()
 '''
 
 
-def test_only_the_http_process_imports_transformers(default_model_dir, tmp_path):
+def test_only_the_http_process_imports_transformers_and_it_not_torch(default_model_dir, tmp_path):
     """The scheduler and detokenizer read the config and the cached tokenizer pipeline
-    without transformers (seconds of every start); the forkserver does not import it."""
+    without transformers, and the forkserver does not import it; the HTTP process serves a
+    request without torch (each of these is seconds of every start)."""
     tokenizer_cache.load_transformers(default_model_dir)  # a first start would cache this
     (tmp_path / "sitecustomize.py").write_text(IMPORT_HOOK)
     log = tmp_path / "imports.log"
@@ -82,5 +95,7 @@ def test_only_the_http_process_imports_transformers(default_model_dir, tmp_path)
     with ServerProcess(env={"PYTHONPATH": path, "SRT_LITE_TEST_IMPORT_LOG": str(log)}) as server:
         out = httpx.post(f"{server.base_url}/generate", json={"text": "Hi", "sampling_params": {"max_new_tokens": 4}}, timeout=60)
         assert out.status_code == 200
-        titles = sorted(log.read_text().split())
-    assert titles == ["srt_lite::server"]
+        time.sleep(0.1)  # the watcher's poll
+        imports = [tuple(line.split()) for line in log.read_text().splitlines()]
+    assert sorted(title for title, name in imports if name == "transformers") == ["srt_lite::server"]
+    assert ("srt_lite::server", "torch") not in imports, imports
