@@ -44,6 +44,8 @@ NOT_RUN = {
     "compare_1b_shape.sh": "runs the vLLM peer on the 1B shape (its srt_lite half is bench_1b_shape.py run, tested)",
     "--nnodes 2": "needs a second machine at 10.0.0.1; tests/e2e/test_multinode.py runs two nodes on one",
     "sglang_router.launch_router": "serves until stopped; tests/e2e/test_router.py runs this router in front of two workers",
+    "--port 30001 --enable-cache-report": "a worker for the router above; bench_router.py below starts the same two workers",
+    "--port 30002 --enable-cache-report": "a worker for the router above; bench_router.py below starts the same two workers",
     "bench_gguf.py": "quantizes GB-sized files with llama.cpp's quantizer and runs the llama.cpp peer (benchmark; "
                      "tests/e2e/test_gguf_native.py serves the same kinds of files)",
 }

@@ -60,15 +60,19 @@ def _int8_activations(x: torch.Tensor, block: int) -> torch.Tensor:
 
 @pytest.fixture(scope="module")
 def files(tmp_path_factory) -> dict[tuple[str, str], str]:
-    """(recipe, arch) -> a tiny random model file."""
+    """(recipe, arch) -> a tiny random model file; (recipe, arch, "weights") -> the same
+    weights without the tokenizer, for transformers' reference."""
     root = tmp_path_factory.mktemp("gguf")
     out = {}
     for recipe, arch in [("Q4_K_M", "llama"), ("Q5_K_M", "llama"), ("Q6_K", "qwen2"), ("Q8_0", "qwen3"),
                          ("legacy", "llama")]:
         # Qwen3 with head_dim 128: transformers' GGUF config reader does not read key_length.
         heads = (2, 1) if arch == "qwen3" else (4, 2)
-        out[recipe, arch] = write_model(str(root / f"{arch}-{recipe}.gguf"), recipe, arch, heads=heads[0],
-                                        kv_heads=heads[1], tied=recipe == "Q8_0")
+        for tokenizer in (True, False):
+            name = f"{arch}-{recipe}{'' if tokenizer else '-weights'}.gguf"
+            path = write_model(str(root / name), recipe, arch, heads=heads[0], kv_heads=heads[1],
+                               tied=recipe == "Q8_0", tokenizer=tokenizer)
+            out[recipe, arch, *(() if tokenizer else ("weights",))] = path
     return out
 
 
@@ -247,9 +251,10 @@ def _runner(path: str, dtype: str, quantization: str | None = None) -> ModelRunn
 
 
 def _reference_logits(path: str, ids: list[int], cache: pytest.Cache) -> torch.Tensor:
-    """transformers' logits for `ids` on the file's dequantized weights. Kept in pytest's cache
-    under a hash of the file, the ids and transformers' version: most of their time is
-    transformers parsing the file's 49k-token vocabulary, and `make test`'s AVX2 leg asks again."""
+    """transformers' logits for `ids` on the dequantized weights of `path`, a file that
+    write_model wrote without the tokenizer (parsing a 49k-token vocabulary is most of the
+    time transformers takes over the whole file). Kept in pytest's cache under a hash of the
+    file, the ids and transformers' version, since `make test`'s AVX2 leg asks again."""
     import hashlib
 
     import transformers
@@ -293,7 +298,7 @@ def test_tiny_model_matches_transformers(files, key, request):
     slabs, and decode steps through the int8 dot products (fp32 and bf16)."""
     path = files[key]
     ids = torch.randint(0, 49152, (DOT_ROWS + 24,), generator=torch.Generator().manual_seed(4)).tolist()
-    want = _reference_logits(path, ids, request.config.cache)
+    want = _reference_logits(files[(*key, "weights")], ids, request.config.cache)
     runner = _runner(path, "float32")
     kept = [m for m in runner.model.modules() if getattr(m, "gguf", None) is not None]
     linears = [m for m in runner.model.modules() if isinstance(m, PackableLinear)]
