@@ -84,10 +84,26 @@ def source_gguf(model_dir: str) -> str | None:
     return path if os.path.isfile(path) else None
 
 
+# The key reads the file's size and this many evenly spaced pieces of it, plus its last piece.
+KEY_SAMPLES = 16
+KEY_SAMPLE_BYTES = 1 << 16
+
+
 def _cache_key(gguf_path: str) -> str:
-    st = os.stat(gguf_path)
-    ident = f"{os.path.abspath(gguf_path)}:{st.st_size}:{int(st.st_mtime)}"
-    return hashlib.sha256(ident.encode()).hexdigest()[:16]
+    """A key from the file's contents, not its path or mtime: every install of the same package
+    (a new venv, a fresh clone) holds a copy of the same file, and each would otherwise convert
+    it again into a directory of its own. Hashing the whole file would cost every start a read
+    of it; sampled pieces tell apart any two files a user would have (metadata at the start,
+    different weights through the rest)."""
+    size = os.path.getsize(gguf_path)
+    digest = hashlib.sha256(str(size).encode())
+    with open(gguf_path, "rb") as f:
+        for i in range(KEY_SAMPLES):
+            f.seek(size * i // KEY_SAMPLES)
+            digest.update(f.read(KEY_SAMPLE_BYTES))
+        f.seek(max(0, size - KEY_SAMPLE_BYTES))
+        digest.update(f.read(KEY_SAMPLE_BYTES))
+    return digest.hexdigest()[:16]
 
 
 def converted_dir(gguf_path: str, name: str | None = None) -> str:
