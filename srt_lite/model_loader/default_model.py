@@ -114,8 +114,15 @@ def converted_dir(gguf_path: str, name: str | None = None) -> str:
 def convert_gguf(gguf_path: str, name: str | None = None) -> str:
     out_dir = converted_dir(gguf_path, name)
     if os.path.isfile(os.path.join(out_dir, "config.json")):
-        if source_gguf(out_dir) is None:
-            write_source(out_dir, gguf_path)  # a cache converted before the record existed
+        if source_gguf(out_dir) != os.path.abspath(gguf_path):
+            # Converted from another copy of the same file (another install), which may go
+            # away, or before the record existed: the 4-bit weights are read from this one.
+            try:
+                write_source(out_dir, gguf_path)
+            except OSError as e:
+                if source_gguf(out_dir) is None:
+                    raise
+                logger.warning("could not point %s at %s (%s); it reads its copy", out_dir, gguf_path, e)
         return out_dir
     logger.info("Converting %s to safetensors (once) into %s", gguf_path, out_dir)
     import torch

@@ -32,3 +32,22 @@ def test_a_copy_elsewhere_shares_the_conversion_and_a_change_does_not(tmp_path, 
     middle = bytearray(data)
     middle[len(data) // 2] ^= 1  # the start of the 9th of 16 pieces
     assert default_model.converted_dir(write(tmp_path / "b" / "model.gguf", bytes(middle))) != default_model.converted_dir(first)
+
+
+def test_the_conversion_reads_the_copy_it_was_last_asked_for(tmp_path, monkeypatch):
+    """A conversion shared by two installs records the file of the one that used it last, so
+    removing the other install never leaves it without its source."""
+    monkeypatch.setenv("SRT_LITE_CACHE", str(tmp_path / "cache"))
+    data = random.Random(1).randbytes(1 << 20)
+    (tmp_path / "a").mkdir()
+    (tmp_path / "b").mkdir()
+    first = write(tmp_path / "a" / "model.gguf", data)
+    second = write(tmp_path / "b" / "model.gguf", data)
+    out = default_model.converted_dir(first)
+    os.makedirs(out)
+    write(os.path.join(out, "config.json"), b"{}")  # as if converted from the first copy
+    default_model.write_source(out, first)
+    assert default_model.convert_gguf(second) == out
+    assert default_model.source_gguf(out) == second
+    os.remove(second)
+    assert default_model.convert_gguf(first) == out and default_model.source_gguf(out) == first
