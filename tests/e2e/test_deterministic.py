@@ -120,10 +120,13 @@ def check_invariant(args: list[str], bodies: list[dict]) -> None:
     with ServerProcess(*args, "--enable-deterministic-inference", *PRESSURE) as s:
         server_state(s)
         want = alone(s, bodies)
-        got = together(s, bodies, seed=1)
-        load = server_state(s)["load"]
-        assert load["num_retractions"] > 0  # the pressure did what it is there for
-    assert got == want
+        # Whether the pressure retracts depends on arrival timing: another random arrival
+        # order, up to three, until it does; every one must equal the requests alone.
+        for seed in (1, 11, 21):
+            assert together(s, bodies, seed=seed) == want
+            if server_state(s)["load"]["num_retractions"] > 0:
+                break
+        assert server_state(s)["load"]["num_retractions"] > 0  # the pressure did what it is there for
     with ServerProcess(*args, "--enable-deterministic-inference", *PRESSURE) as s:
         assert together(s, bodies, seed=2) == want
 
