@@ -16,13 +16,17 @@ def write(path, data: bytes) -> str:
     return str(path)
 
 
-def test_a_copy_elsewhere_shares_the_conversion_and_a_change_does_not(tmp_path, monkeypatch):
+def two_copies(tmp_path, monkeypatch, data: bytes) -> tuple[str, str]:
+    """`data` as model.gguf in two folders, with the conversion cache under tmp_path."""
     monkeypatch.setenv("SRT_LITE_CACHE", str(tmp_path / "cache"))
-    data = random.Random(0).randbytes(5 << 20)
     (tmp_path / "a").mkdir()
     (tmp_path / "b").mkdir()
-    first = write(tmp_path / "a" / "model.gguf", data)
-    copy = write(tmp_path / "b" / "model.gguf", data)
+    return write(tmp_path / "a" / "model.gguf", data), write(tmp_path / "b" / "model.gguf", data)
+
+
+def test_a_copy_elsewhere_shares_the_conversion_and_a_change_does_not(tmp_path, monkeypatch):
+    data = random.Random(0).randbytes(5 << 20)
+    first, copy = two_copies(tmp_path, monkeypatch, data)
     os.utime(copy, (1_000_000, 1_000_000))
     assert default_model.converted_dir(first) == default_model.converted_dir(copy)
     tail = bytearray(data)
@@ -37,12 +41,7 @@ def test_a_copy_elsewhere_shares_the_conversion_and_a_change_does_not(tmp_path, 
 def test_the_conversion_reads_the_copy_it_was_last_asked_for(tmp_path, monkeypatch):
     """A conversion shared by two installs records the file of the one that used it last, so
     removing the other install never leaves it without its source."""
-    monkeypatch.setenv("SRT_LITE_CACHE", str(tmp_path / "cache"))
-    data = random.Random(1).randbytes(1 << 20)
-    (tmp_path / "a").mkdir()
-    (tmp_path / "b").mkdir()
-    first = write(tmp_path / "a" / "model.gguf", data)
-    second = write(tmp_path / "b" / "model.gguf", data)
+    first, second = two_copies(tmp_path, monkeypatch, random.Random(1).randbytes(1 << 20))
     out = default_model.converted_dir(first)
     os.makedirs(out)
     write(os.path.join(out, "config.json"), b"{}")  # as if converted from the first copy
