@@ -2,22 +2,12 @@
 
 from __future__ import annotations
 
-import random
-
 import pytest
 import torch
 
+from radix_checks import assert_pool_balanced, assert_sizes, make_pool
 from srt_lite.mem_cache.memory_pool import TokenToKVPool
 from srt_lite.mem_cache.radix_cache import RadixCache, TreeNode
-
-POOL_SIZE = 256
-
-
-def make_pool(size: int = POOL_SIZE) -> TokenToKVPool:
-    return TokenToKVPool(
-        size=size, num_layers=1, num_kv_heads=1, head_dim=4, dtype=torch.float32, device="cpu"
-    )
-
 
 @pytest.fixture()
 def pool() -> TokenToKVPool:
@@ -63,17 +53,6 @@ def test_pool_alloc_hands_out_fresh_slots_then_freed_ones_in_free_order():
     assert pool.free_slots.tolist() == [1, 2, 3] and pool.available_size() == 3
     pool.clear()
     assert pool.available_size() == 8 and pool.free_slots.tolist() == list(range(1, 9))
-
-
-def assert_sizes(tree: RadixCache, evictable: int, protected: int) -> None:
-    tree.check_invariants()
-    assert tree.evictable_size() == evictable
-    assert tree.protected_size() == protected
-    assert tree.total_size() == evictable + protected
-
-
-def assert_pool_balanced(tree: RadixCache, pool: TokenToKVPool, outside: int = 0) -> None:
-    assert pool.available_size() + tree.total_size() + outside == pool.size
 
 
 def test_insert_then_exact_and_longer_match(tree, pool):
@@ -335,127 +314,3 @@ def test_tree_node_defaults():
     assert node.children == {} and node.parent is None and node.key == []
     assert node.value.numel() == 0 and node.lock_ref == 0
     assert TreeNode().last_access_time > node.last_access_time
-
-
-class _Reference:
-    """Token-level trie as a dict {prefix tuple: slot}, independent of the radix tree."""
-
-    def __init__(self):
-        self.slot: dict[tuple[int, ...], int] = {}
-
-    def cached_len(self, key: list[int]) -> int:
-        n = 0
-        while n < len(key) and tuple(key[: n + 1]) in self.slot:
-            n += 1
-        return n
-
-    def slots(self, key: list[int]) -> list[int]:
-        return [self.slot[tuple(key[: i + 1])] for i in range(self.cached_len(key))]
-
-    def insert(self, key: list[int], value: list[int]) -> None:
-        for i in range(len(key)):
-            self.slot.setdefault(tuple(key[: i + 1]), value[i])
-
-    def drop_slots(self, freed: set[int]) -> None:
-        self.slot = {k: s for k, s in self.slot.items() if s not in freed}
-
-
-@pytest.mark.parametrize("seed", [0, 1, 2])
-def test_randomized_against_pool_and_reference(seed):
-    rng = random.Random(seed)
-    pool = make_pool(96)  # small, so allocation pressure forces frequent evictions
-    tree = RadixCache(pool)
-    ref = _Reference()
-    # Running requests: (full key, matched prefix length, locked node, slots allocated for the rest).
-    running: list[tuple[list[int], int, TreeNode, torch.Tensor]] = []
-    outside = 0  # slots held by running requests, in neither the pool nor the tree
-
-    def random_key() -> list[int]:
-        # A small alphabet with a few common stems makes shared prefixes and splits frequent.
-        stem = rng.choice([[], [1, 2, 3], [1, 2, 4, 5], [2, 2]])
-        return stem + [rng.randrange(4) for _ in range(rng.randint(1, 8))]
-
-    def evict(n: int) -> int:
-        before = set(tree.all_slots().tolist())
-        freed = tree.evict(n)
-        gone = before - set(tree.all_slots().tolist())
-        assert len(gone) == freed
-        ref.drop_slots(gone)
-        return freed
-
-    def alloc_with_eviction(n: int) -> torch.Tensor | None:
-        if pool.available_size() < n:
-            evict(n - pool.available_size())
-        slots = pool.alloc(n)
-        return None if slots is None else slots.clone()
-
-    def finish(i: int) -> None:
-        nonlocal outside
-        key, prefix_len, node, new_slots = running.pop(i)
-        prefix_slots, _ = tree.match_prefix(key[:prefix_len])
-        value = torch.cat((prefix_slots, new_slots))
-        expected = ref.cached_len(key)
-        n = tree.insert(key, value)
-        assert n == expected
-        # The locked prefix cannot have disappeared, so n covers at least the prefix.
-        assert n >= prefix_len
-        pool.free(value[prefix_len:n])
-        ref.insert(key, value.tolist())
-        outside -= len(new_slots)
-        tree.dec_lock_ref(node)
-
-    for _ in range(300):
-        op = rng.random()
-        if op < 0.35:
-            # A request arrives: reuse the cached prefix, lock it, allocate the rest.
-            key = random_key()
-            got, node = tree.match_prefix(key)
-            assert got.tolist() == ref.slots(key)
-            tree.inc_lock_ref(node)
-            slots = alloc_with_eviction(len(key) - got.numel())
-            if slots is None:
-                tree.dec_lock_ref(node)
-            else:
-                running.append((key, got.numel(), node, slots))
-                outside += slots.numel()
-        elif op < 0.6 and running:
-            finish(rng.randrange(len(running)))
-        elif op < 0.75:
-            # A plain insert with fresh slots (e.g. a cached chunk), duplicates freed by caller.
-            key = random_key()
-            slots = alloc_with_eviction(len(key))
-            if slots is not None:
-                expected = ref.cached_len(key)
-                n = tree.insert(key, slots)
-                assert n == expected
-                pool.free(slots[:n])
-                ref.insert(key, slots.tolist())
-        elif op < 0.9:
-            key = random_key()
-            got, node = tree.match_prefix(key)
-            assert got.tolist() == ref.slots(key)
-            assert node.parent is not None or node is tree.root
-        else:
-            evictable = tree.evictable_size()
-            freed = evict(rng.randint(1, 20))
-            assert freed <= evictable
-
-        tree.check_invariants()
-        assert_pool_balanced(tree, pool, outside)
-        tree_slots = set(tree.all_slots().tolist())
-        free_slots = set(pool.free_slots.tolist())
-        held = set()
-        for key, prefix_len, node, new_slots in running:
-            held |= set(new_slots.tolist())
-            # A locked prefix is never evicted.
-            assert node is tree.root or node.lock_ref > 0
-            assert node.parent is not None or node is tree.root
-        assert not tree_slots & free_slots and not held & (tree_slots | free_slots)
-        assert tree_slots | free_slots | held == set(range(1, pool.size + 1))
-        assert set(ref.slot.values()) == tree_slots
-
-    while running:
-        finish(len(running) - 1)
-    assert_sizes(tree, tree.total_size(), 0)
-    assert tree.flush() is True
-    assert pool.available_size() == pool.size
