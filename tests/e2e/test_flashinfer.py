@@ -25,18 +25,12 @@ from srt_lite.layers.attention import choose_attention_backend, create_attention
 from srt_lite.layers.attention.base import AttentionConfig
 from srt_lite.layers.attention.torch_native import sdpa as sdpa_ops
 from srt_lite.layers.attention.torch_native import backend as tnb
-from srt_lite.layers.attention.flashinfer_backend import (
-    QWEN_WORKSPACE_BYTES,
-    WORKSPACE_BYTES,
-    WORKSPACE_ENV,
-    build_kv_indices,
-    workspace_bytes,
-)
+from srt_lite.layers.attention.flashinfer_backend import (QWEN_WORKSPACE_BYTES, WORKSPACE_BYTES, WORKSPACE_ENV,
+                                                         build_kv_indices, workspace_bytes)
 from srt_lite.model_executor.cuda_graph_runner import capture_batch_sizes
 
-needs_gpu = pytest.mark.skipif(
-    not (torch.cuda.is_available() and flashinfer_available()), reason="needs CUDA and flashinfer-python"
-)
+needs_gpu = pytest.mark.skipif(not (torch.cuda.is_available() and flashinfer_available()),
+                               reason="needs CUDA and flashinfer-python")
 needs_cuda = pytest.mark.skipif(not torch.cuda.is_available(), reason="needs CUDA")
 
 
