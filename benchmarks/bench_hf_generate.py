@@ -20,7 +20,7 @@ import torch
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))
 
-from bench_serving import make_word_prompts  # noqa: E402
+from serving_datasets import make_word_prompts  # noqa: E402
 
 logger = logging.getLogger("bench_hf_generate")
 

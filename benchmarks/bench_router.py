@@ -39,7 +39,8 @@ import httpx
 ROOT = Path(__file__).resolve().parent.parent
 sys.path[:0] = [str(ROOT / "tests" / "helpers"), str(Path(__file__).resolve().parent)]
 
-from bench_serving import RESULTS_DIR, WORDS, RequestOutput, percentile, stream_request  # noqa: E402
+from bench_serving import RESULTS_DIR, RequestOutput, percentile, stream_request  # noqa: E402
+from serving_datasets import WORDS  # noqa: E402
 from router_utils import FAST_HEALTH_CHECKS, RouterProcess, kill_worker, start_workers, worker_counters  # noqa: E402
 
 QUESTIONS = [

@@ -66,7 +66,7 @@ def replay(requests: list[tuple[list[int], list[int]]], concurrency: int, propos
 
 def generate(path: str) -> None:
     """Greedy outputs of W1-W3's prompts (bf16, the server's defaults), saved as token ids."""
-    from bench_serving import make_word_prompts
+    from serving_datasets import make_word_prompts
 
     from srt_lite import Engine
 
