@@ -81,6 +81,67 @@ def reply_ids(tokenizer, reply: str) -> list[int]:
     return ids
 
 
+def _batch(examples: list[Example]) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor]:
+    """The examples padded into one batch: (input_ids, attention_mask, mask of the reply
+    positions, the tokens those positions must predict)."""
+    seqs = [p + r for p, r in examples]
+    width = max(len(s) for s in seqs)
+    input_ids = torch.full((len(seqs), width), EOS_ID, dtype=torch.long)
+    attention_mask = torch.zeros((len(seqs), width), dtype=torch.long)
+    # targets[b, t] is the token that position t must predict; -100 outside the replies.
+    targets = torch.full((len(seqs), width), -100, dtype=torch.long)
+    for b, ((p, r), s) in enumerate(zip(examples, seqs)):
+        input_ids[b, : len(s)] = torch.tensor(s)
+        attention_mask[b, : len(s)] = 1
+        targets[b, len(p) - 1 : len(s) - 1] = torch.tensor(r)
+    mask = targets != -100
+    return input_ids, attention_mask, mask, targets[mask]
+
+
+def _min_margin(logits: torch.Tensor, targets: torch.Tensor) -> float:
+    """The smallest lead of a target token's logit over the best other token."""
+    with torch.no_grad():
+        tgt = logits.gather(1, targets[:, None])[:, 0]
+        other = logits.scatter(1, targets[:, None], float("-inf")).max(1).values
+        return (tgt - other).min().item()
+
+
+def _fit(model, examples: list[Example], lr: float, max_steps: int, check_every: int, min_margin: float,
+         lean: bool) -> tuple[int, float, float]:
+    """Adam steps until the margin reaches min_margin or max_steps: (steps, loss, margin)."""
+    input_ids, attention_mask, mask, flat_targets = _batch(examples)
+    opt = torch.optim.Adam(model.parameters(), lr=lr)
+    steps, margin = 0, float("-inf")
+    while steps < max_steps:
+        if lean:
+            hidden = model.model(input_ids=input_ids, attention_mask=attention_mask).last_hidden_state
+            logits = model.lm_head(hidden[mask])
+        else:
+            logits = model(input_ids=input_ids, attention_mask=attention_mask).logits[mask]
+        loss = torch.nn.functional.cross_entropy(logits, flat_targets)
+        if steps % check_every == 0:
+            margin = _min_margin(logits, flat_targets)
+            if margin >= min_margin:
+                break
+        opt.zero_grad(set_to_none=True)
+        loss.backward()
+        opt.step()
+        steps += 1
+    return steps, loss.item(), margin
+
+
+def _check_greedy(model, examples: list[Example], tokenizer, what: str) -> None:
+    """Greedy generation must reproduce every reply exactly, token for token."""
+    for p, r in examples:
+        with torch.no_grad():
+            out = model.generate(torch.tensor([p]), attention_mask=torch.ones(1, len(p), dtype=torch.long),
+                                 do_sample=False, max_new_tokens=len(r) + 8)
+        got = out[0, len(p) :].tolist()
+        if got != r:
+            raise RuntimeError(f"{what} model does not reproduce its reply: wanted {tokenizer.decode(r)!r}, "
+                               f"got {tokenizer.decode(got)!r}")
+
+
 def train(
     examples: list[Example],
     tokenizer,
@@ -105,19 +166,6 @@ def train(
     core count. The reasoning model keeps the original path so its weights stay the same."""
     from transformers import GenerationConfig, Qwen3ForCausalLM
 
-    seqs = [p + r for p, r in examples]
-    width = max(len(s) for s in seqs)
-    input_ids = torch.full((len(seqs), width), EOS_ID, dtype=torch.long)
-    attention_mask = torch.zeros((len(seqs), width), dtype=torch.long)
-    # targets[b, t] is the token that position t must predict; -100 outside the replies.
-    targets = torch.full((len(seqs), width), -100, dtype=torch.long)
-    for b, ((p, r), s) in enumerate(zip(examples, seqs)):
-        input_ids[b, : len(s)] = torch.tensor(s)
-        attention_mask[b, : len(s)] = 1
-        targets[b, len(p) - 1 : len(s) - 1] = torch.tensor(r)
-    mask = targets != -100
-    flat_targets = targets[mask]
-
     t0 = time.perf_counter()
     threads = torch.get_num_threads()
     if lean:
@@ -127,51 +175,14 @@ def train(
         model = Qwen3ForCausalLM(model_config()).to(torch.float32)
         model.generation_config = GenerationConfig(bos_token_id=BOS_ID, eos_token_id=EOS_ID, pad_token_id=EOS_ID)
         model.train()
-        opt = torch.optim.Adam(model.parameters(), lr=lr)
-        steps, margin = 0, float("-inf")
-        while steps < max_steps:
-            if lean:
-                hidden = model.model(input_ids=input_ids, attention_mask=attention_mask).last_hidden_state
-                logits = model.lm_head(hidden[mask])
-            else:
-                logits = model(input_ids=input_ids, attention_mask=attention_mask).logits[mask]
-            loss = torch.nn.functional.cross_entropy(logits, flat_targets)
-            if steps % check_every == 0:
-                with torch.no_grad():
-                    tgt = logits.gather(1, flat_targets[:, None])[:, 0]
-                    other = logits.scatter(1, flat_targets[:, None], float("-inf")).max(1).values
-                    margin = (tgt - other).min().item()
-                if margin >= min_margin:
-                    break
-            opt.zero_grad(set_to_none=True)
-            loss.backward()
-            opt.step()
-            steps += 1
+        steps, loss, margin = _fit(model, examples, lr, max_steps, check_every, min_margin, lean)
         model.eval()
     torch.set_num_threads(threads)
-    elapsed = time.perf_counter() - t0
-    logger.info(
-        "%s model trained in %.1fs (%d steps, loss %.4f, min logit margin %.2f)",
-        what, elapsed, steps, loss.item(), margin,
-    )
+    logger.info("%s model trained in %.1fs (%d steps, loss %.4f, min logit margin %.2f)",
+                what, time.perf_counter() - t0, steps, loss, margin)
     if margin < min_margin:
         raise RuntimeError(f"{what} model did not converge in {max_steps} steps (margin {margin:.2f})")
-
-    # Greedy generation must reproduce every reply exactly, token for token.
-    for p, r in examples:
-        with torch.no_grad():
-            out = model.generate(
-                torch.tensor([p]),
-                attention_mask=torch.ones(1, len(p), dtype=torch.long),
-                do_sample=False,
-                max_new_tokens=len(r) + 8,
-            )
-        got = out[0, len(p) :].tolist()
-        if got != r:
-            raise RuntimeError(
-                f"{what} model does not reproduce its reply: wanted {tokenizer.decode(r)!r}, "
-                f"got {tokenizer.decode(got)!r}"
-            )
+    _check_greedy(model, examples, tokenizer, what)
     return model
 
 
