@@ -46,6 +46,34 @@ def _tokenizer_fields() -> dict:
     return {k: list(v) if isinstance(v, StringArray) else v for k, v in f.metadata.items() if k.startswith("tokenizer.")}
 
 
+def _write_metadata(w: GGUFWriter, arch: str, recipe: str, hidden: int, inter: int, layers: int, heads: int,
+                    kv_heads: int, tok: dict | None, vocab: int) -> None:
+    """The model's shape and, with `tok`, the tokenizer's fields; without, only its vocabulary size."""
+    w.add_name(f"tiny-{arch}-{recipe}")
+    w.add_context_length(2048)
+    w.add_embedding_length(hidden)
+    w.add_block_count(layers)
+    w.add_feed_forward_length(inter)
+    w.add_head_count(heads)
+    w.add_head_count_kv(kv_heads)
+    w.add_layer_norm_rms_eps(1e-5)
+    w.add_rope_freq_base(10000.0)
+    if arch == "qwen3":
+        w.add_key_length(hidden // heads)
+        w.add_value_length(hidden // heads)
+    if tok is None:
+        w.add_vocab_size(vocab)
+    for key, value in (tok or {}).items():
+        if isinstance(value, list):
+            sub = GGUFValueType.STRING if value and isinstance(value[0], str) else (
+                GGUFValueType.FLOAT32 if value and isinstance(value[0], float) else GGUFValueType.INT32)
+            w.add_key_value(key, value, GGUFValueType.ARRAY, sub_type=sub)
+        elif isinstance(value, str):
+            w.add_key_value(key, value, GGUFValueType.STRING)
+        else:
+            w.add_key_value(key, value, GGUFValueType.UINT32)
+
+
 def write_model(path: str, recipe: str = "Q4_K_M", arch: str = "llama", hidden: int = 256, inter: int = 512,
                 layers: int = 2, heads: int = 4, kv_heads: int = 2, tied: bool = False, seed: int = 0,
                 tokenizer: bool = True) -> str:
@@ -58,29 +86,7 @@ def write_model(path: str, recipe: str = "Q4_K_M", arch: str = "llama", hidden: 
     vocab = len(tok["tokenizer.ggml.tokens"])
     head_dim = hidden // heads
     w = GGUFWriter(path, arch)
-    w.add_name(f"tiny-{arch}-{recipe}")
-    w.add_context_length(2048)
-    w.add_embedding_length(hidden)
-    w.add_block_count(layers)
-    w.add_feed_forward_length(inter)
-    w.add_head_count(heads)
-    w.add_head_count_kv(kv_heads)
-    w.add_layer_norm_rms_eps(1e-5)
-    w.add_rope_freq_base(10000.0)
-    if arch == "qwen3":
-        w.add_key_length(head_dim)
-        w.add_value_length(head_dim)
-    if not tokenizer:
-        w.add_vocab_size(vocab)
-    for key, value in (tok if tokenizer else {}).items():
-        if isinstance(value, list):
-            sub = GGUFValueType.STRING if value and isinstance(value[0], str) else (
-                GGUFValueType.FLOAT32 if value and isinstance(value[0], float) else GGUFValueType.INT32)
-            w.add_key_value(key, value, GGUFValueType.ARRAY, sub_type=sub)
-        elif isinstance(value, str):
-            w.add_key_value(key, value, GGUFValueType.STRING)
-        else:
-            w.add_key_value(key, value, GGUFValueType.UINT32)
+    _write_metadata(w, arch, recipe, hidden, inter, layers, heads, kv_heads, tok if tokenizer else None, vocab)
 
     def quant(name: str, kind: str, rows: int, cols: int) -> None:
         # Weights of RMS 1 / sqrt(fan in), so activations and logits keep a sane size.
