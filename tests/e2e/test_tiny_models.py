@@ -172,32 +172,15 @@ def test_qwen3_q_k_norm_weights_are_used(tmp_path):
     assert (before - after).abs().max().item() > 1e-3
 
 
-@pytest.mark.parametrize(
-    "consecutive,token_suffix,cpp", [(True, True, True), (False, True, True), (True, True, False), (True, False, False)]
-)
-def test_cascade_decode_over_shared_prefix_matches_transformers(tmp_path, monkeypatch, consecutive, token_suffix, cpp):
-    """Rows that share their first 80 KV slots (a radix hit) take the cascade path (shared
-    prefix once + own suffixes, merged by log-sum-exp): in the extend step a decode row,
-    verify rows (as in speculative decoding) and a 24-token prompt on the cached prefix, all
-    in one group, then the decode steps; logits still match HF. The prefix is read as a view
-    of the pool when its slots are consecutive, else gathered; the suffixes are attended as
-    one masked sequence (in the C++ op, or with torch ops), or (when that would cost more)
-    row by row, padded."""
-    from srt_lite import cpu_kernels
+def _record_cascade_calls(monkeypatch) -> tuple[list, list]:
+    """(calls, starts), filled as the model runs: each layer's call of a folded plan or the C++
+    op as (queries, True for a token cascade, False for a padded cascade, "cpp" for the C++ op,
+    "folded" without a shared prefix), and each shared prefix's start (None where gathered)."""
     from srt_lite.layers.attention.torch_native import cascade
-    from srt_lite.layers.attention.torch_native import choose
     from srt_lite.layers.attention.torch_native import plans
     from srt_lite.layers.attention.torch_native.steps import CppCascadePlan
 
-    assert cpu_kernels.load()  # built here: CI's machine has the compiler inductor uses
-    # The plans' own calls are counted: the C++ decoder stack would run the op without them
-    # (tests/e2e/test_cpp_decoder.py checks it against these layers).
-    monkeypatch.setenv("SRT_LITE_DISABLE_CPP_DECODER", "1")
-    if not token_suffix:
-        monkeypatch.setattr(choose, "TOKEN_SUFFIX_GAIN", 0)
     calls, starts = [], []
-    # Each layer's call of a folded plan or the C++ op: (queries, True for a token cascade,
-    # False for a padded cascade, "cpp" for the C++ op, "folded" without a shared prefix).
     recorded = {
         cascade.TokenCascadePlan: True, cascade.CascadePlan: False, CppCascadePlan: "cpp", plans.FoldedPlan: "folded",
     }
@@ -214,6 +197,30 @@ def test_cascade_decode_over_shared_prefix_matches_transformers(tmp_path, monkey
         return prefix
 
     monkeypatch.setattr(cascade.SharedPrefix, "of", staticmethod(prefix_of))
+    return calls, starts
+
+
+@pytest.mark.parametrize(
+    "consecutive,token_suffix,cpp", [(True, True, True), (False, True, True), (True, True, False), (True, False, False)]
+)
+def test_cascade_decode_over_shared_prefix_matches_transformers(tmp_path, monkeypatch, consecutive, token_suffix, cpp):
+    """Rows that share their first 80 KV slots (a radix hit) take the cascade path (shared
+    prefix once + own suffixes, merged by log-sum-exp): in the extend step a decode row,
+    verify rows (as in speculative decoding) and a 24-token prompt on the cached prefix, all
+    in one group, then the decode steps; logits still match HF. The prefix is read as a view
+    of the pool when its slots are consecutive, else gathered; the suffixes are attended as
+    one masked sequence (in the C++ op, or with torch ops), or (when that would cost more)
+    row by row, padded."""
+    from srt_lite import cpu_kernels
+    from srt_lite.layers.attention.torch_native import choose
+
+    assert cpu_kernels.load()  # built here: CI's machine has the compiler inductor uses
+    # The plans' own calls are counted: the C++ decoder stack would run the op without them
+    # (tests/e2e/test_cpp_decoder.py checks it against these layers).
+    monkeypatch.setenv("SRT_LITE_DISABLE_CPP_DECODER", "1")
+    if not token_suffix:
+        monkeypatch.setattr(choose, "TOKEN_SUFFIX_GAIN", 0)
+    calls, starts = _record_cascade_calls(monkeypatch)
     path = make_tiny_model("llama", tmp_path / "llama")
     hf = AutoModelForCausalLM.from_pretrained(path, dtype=torch.float32).eval()
     runner = ModelRunner(ModelConfig.load(path), ServerArgs(dtype="float32", max_total_tokens=2048))
