@@ -56,6 +56,16 @@ class FlushCacheReqOutput:
 
 
 @dataclass
+class PrepareGrammarReq:
+    """TokenizerManager -> Scheduler at the first grammar request: build the grammar backend
+    now. The TokenizerManager is about to import its own copy of the grammar library to check
+    the grammar, and the two imports (seconds each) then run side by side, not one after the
+    other."""
+
+    pass
+
+
+@dataclass
 class ShutdownReq:
     """Scheduler rank 0 -> the other ranks (never over ZMQ): leave the loop together."""
 
@@ -164,6 +174,7 @@ _REGISTRY: dict[str, type] = {
         AbortReq,
         FlushCacheReq,
         FlushCacheReqOutput,
+        PrepareGrammarReq,
         ShutdownReq,
         GetLoadReq,
         GetLoadReqOutput,

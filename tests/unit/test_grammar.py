@@ -243,6 +243,43 @@ def test_queue_builds_its_backend_once_at_the_first_grammar(tokenizer):
     assert len(built) == 1 and mgr.backend is built[0]
 
 
+def test_prepare_builds_the_backend_before_any_grammar_and_only_once(tokenizer):
+    built = []
+
+    def make():
+        built.append(backend_class("xgrammar")(tokenizer, VOCAB, [EOS]))
+        return built[-1]
+
+    mgr = GrammarManager(make, None)
+    mgr.prepare()
+    mgr.prepare()  # the announcement of every TP rank's first grammar is one build
+    mgr.pool.submit(lambda: None).result()  # the pool's one thread has run what was queued
+    assert len(built) == 1 and mgr.backend is built[0]
+    mgr.add(grammar_req("a", regex="a+"))
+    assert [r.rid for r in drain(mgr)] == ["a"] and len(built) == 1
+
+
+def test_a_prepared_build_that_failed_fails_the_requests_with_its_error():
+    tries = []
+
+    def make():
+        tries.append(1)
+        raise RuntimeError("no tokenizer here")
+
+    mgr = GrammarManager(make, None)
+    mgr.prepare()
+    mgr.add(grammar_req("a", regex="a+"))
+    (a,) = drain(mgr)
+    assert a.finished_reason["type"] == "abort" and "no tokenizer here" in a.finished_reason["message"]
+    assert len(tries) == 2  # the compile tried again and reported what went wrong
+
+
+def test_prepare_without_a_backend_does_nothing():
+    mgr = GrammarManager(None, None)
+    mgr.prepare()
+    assert mgr.backend is None and mgr.pool is None
+
+
 def test_queue_fails_requests_when_its_backend_cannot_be_built():
     def make():
         raise RuntimeError("no tokenizer here")

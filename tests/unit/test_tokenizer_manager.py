@@ -13,7 +13,8 @@ import zmq.asyncio
 
 from srt_lite.managers import io_struct
 from srt_lite.managers.tokenizer.generate_request import normalize_generate_request
-from srt_lite.managers.io_struct import AbortReq, BatchStrOut, PortArgs, SchedulerReady, TokenizedGenerateReqInput
+from srt_lite.managers.io_struct import (AbortReq, BatchStrOut, PortArgs, PrepareGrammarReq, SchedulerReady,
+                                         TokenizedGenerateReqInput)
 from srt_lite.managers.tokenizer.tokenizer_manager import Overloaded, TokenizerManager
 from srt_lite.managers.validation import LogprobOptions, RequestError
 from srt_lite.server_args import ServerArgs
@@ -34,6 +35,7 @@ class FakeScheduler:
         self.tick = tick
         self.requests: list[TokenizedGenerateReqInput] = []
         self.aborts: list[str] = []
+        self.prepares = 0  # PrepareGrammarReq received
         self.running: dict[str, list] = {}  # rid -> [request, tokens so far]
 
     async def run(self) -> None:
@@ -48,6 +50,8 @@ class FakeScheduler:
         if isinstance(msg, TokenizedGenerateReqInput):
             self.requests.append(msg)
             self.running[msg.rid] = [msg, 0]
+        elif isinstance(msg, PrepareGrammarReq):
+            self.prepares += 1
         elif isinstance(msg, AbortReq):
             self.aborts.append(msg.rid)
             for rid in [r for r in self.running if msg.rid in ("", r)]:
@@ -189,6 +193,32 @@ def test_an_overloaded_choice_fails_the_request_and_aborts_the_others(model_dir)
 
 
 # ---- draining ---------------------------------------------------------------------------
+
+
+def test_the_first_grammar_check_asks_the_scheduler_to_build_its_backend_once(model_dir):
+    """The scheduler hears of grammars before the first check's import starts (so the two
+    builds overlap), once per server whatever the grammars; invalid ones are still refused here."""
+
+    async def body(tm, scheduler):
+        tm.check_grammar("regex", "a+", field="regex")
+        await until(lambda: scheduler.prepares > 0)
+        tm.check_grammar("json_schema", '{"type": "object"}', field="json_schema")
+        with pytest.raises(RequestError, match="Invalid regex"):
+            tm.check_grammar("regex", "a(b", field="regex")
+        await asyncio.sleep(0.05)
+        return scheduler.prepares
+
+    assert run_with_scheduler(model_dir, body) == 1
+
+
+def test_no_grammar_backend_sends_no_announcement(model_dir):
+    async def body(tm, scheduler):
+        with pytest.raises(RequestError, match="structured outputs are off"):
+            tm.check_grammar("regex", "a+", field="regex")
+        await asyncio.sleep(0.05)
+        return scheduler.prepares
+
+    assert run_with_scheduler(model_dir, body, grammar_backend="none") == 0
 
 
 def test_drain_refuses_new_requests_and_wait_idle_follows_requests_in_flight(model_dir):

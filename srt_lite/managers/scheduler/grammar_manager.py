@@ -6,9 +6,11 @@ once its grammar is ready, or ends with the compiler's error (a 400 for the clie
 Compiled grammars are cached by (kind, text): the n choices of a request, and clients that
 send the same schema every time, compile once.
 
-The backend itself is built by the first compile, on the same thread (vLLM builds its own at
-the first structured request too): its libraries import transformers and index the vocabulary,
-seconds of every start that servers without structured outputs would otherwise pay.
+The backend itself is built at the first grammar request, on the same thread (vLLM builds its
+own at the first structured request too): its libraries import transformers and index the
+vocabulary, seconds of every start that servers without structured outputs would otherwise
+pay. The TokenizerManager announces that request (PrepareGrammarReq) before it checks the
+grammar, so the build starts while the HTTP process imports its own copy of the library.
 
 With tensor parallelism every rank compiles on its own; a request leaves the queue only when
 all ranks have its grammar (`tp_min`), so every rank admits it in the same step.
@@ -36,7 +38,8 @@ CACHE_SIZE = 256
 class GrammarManager:
     def __init__(self, make_backend: Callable[[], GrammarBackend] | None, think_tags: ThinkTags | None):
         self.make_backend = make_backend  # None: structured outputs are off
-        self.backend: GrammarBackend | None = None  # built by the first compile
+        self.backend: GrammarBackend | None = None  # built by the first compile, or by prepare()
+        self.preparing = False
         self.think_tags = think_tags
         self.pool = ThreadPoolExecutor(max_workers=1, thread_name_prefix="grammar") if make_backend else None
         self.cache: OrderedDict[tuple[str, str], Future] = OrderedDict()
@@ -62,11 +65,22 @@ class GrammarManager:
         self.cache.move_to_end(key)
         self.queue.append((req, future))
 
-    def _compile(self, kind: str, text: str) -> Any:
-        """Runs on the pool's one thread, so the backend is built once."""
+    def prepare(self) -> None:
+        """Starts building the backend on the compile thread: the TokenizerManager announces
+        its first grammar request before it checks the grammar, which takes it as long."""
+        if self.pool is not None and not self.preparing:
+            self.preparing = True
+            self.pool.submit(self._build)
+
+    def _build(self) -> GrammarBackend:
+        """Runs on the pool's one thread, so the backend is built once. A build that failed
+        is tried again by the next compile, which then reports the error."""
         if self.backend is None:
             self.backend = self.make_backend()
-        return self.backend.compile(kind, text)
+        return self.backend
+
+    def _compile(self, kind: str, text: str) -> Any:
+        return self._build().compile(kind, text)
 
     def ready(self) -> list[Req]:
         """Requests whose grammar is ready, in arrival order, each with its matcher; a request

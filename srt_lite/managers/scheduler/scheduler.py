@@ -32,6 +32,7 @@ from srt_lite.managers.io_struct import (
     FlushCacheReq,
     FlushCacheReqOutput,
     GetLoadReq,
+    PrepareGrammarReq,
     PortArgs,
     SchedulerReady,
     ShutdownReq,
@@ -128,6 +129,7 @@ class Scheduler:
             AbortReq: self.abort,
             FlushCacheReq: self.flush_cache,
             GetLoadReq: lambda _: self.io.reply(self.stats.load(self.holders())),
+            PrepareGrammarReq: lambda _: self.grammars.prepare(),
             ShutdownReq: self.shutdown,
         }
         self.stopped = False

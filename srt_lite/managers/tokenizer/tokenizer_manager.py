@@ -25,6 +25,7 @@ from srt_lite.managers.io_struct import (
     FlushCacheReq,
     FlushCacheReqOutput,
     GetLoadReq,
+    PrepareGrammarReq,
     GetLoadReqOutput,
     PortArgs,
     SchedulerReady,
@@ -70,6 +71,7 @@ class TokenizerManager:
         self.metrics = metrics  # request metrics are recorded only when a collector is given
         self.grammar_backend = backend_class(server_args.grammar_backend)
         self._valid_grammars: dict[tuple[str, str], None] = {}  # checked already (bounded)
+        self._grammars_announced = False  # PrepareGrammarReq sent
         self._rid_to_state: dict[str, ReqState] = {}
         self._idle = asyncio.Event()  # set while no request is in flight
         self._idle.set()
@@ -177,6 +179,7 @@ class TokenizerManager:
             raise RequestError(f"{field}: structured outputs are off on this server (--grammar-backend none)")
         if (kind, text) in self._valid_grammars:
             return
+        self._announce_grammars()
         try:
             self.grammar_backend.check(kind, text)
         except GrammarError as e:
@@ -184,6 +187,21 @@ class TokenizerManager:
         if len(self._valid_grammars) >= 1024:
             self._valid_grammars.clear()
         self._valid_grammars[(kind, text)] = None
+
+    def _announce_grammars(self) -> None:
+        """Once: tells the scheduler that grammar requests have begun, so that it builds its
+        grammar backend while the check above imports this process's copy of the library
+        (each takes seconds on a first request). Only from the event loop, which owns the
+        sockets; a check without one (a unit test) announces nothing."""
+        if self._grammars_announced:
+            return
+        try:
+            asyncio.get_running_loop()
+        except RuntimeError:
+            return
+        self._grammars_announced = True
+        self._ensure_started()
+        self.send_to_scheduler.send(io_struct.encode(PrepareGrammarReq()), zmq.NOBLOCK)
 
     async def generate(
         self,
