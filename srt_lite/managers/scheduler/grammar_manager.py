@@ -67,7 +67,8 @@ class GrammarManager:
 
     def prepare(self) -> None:
         """Starts building the backend on the compile thread: the TokenizerManager announces
-        its first grammar request before it checks the grammar, which takes it as long."""
+        its first grammar request before checking the grammar itself, which takes the HTTP
+        process about as long as this build."""
         if self.pool is not None and not self.preparing:
             self.preparing = True
             self.pool.submit(self._build)

@@ -25,9 +25,9 @@ from srt_lite.managers.io_struct import (
     FlushCacheReq,
     FlushCacheReqOutput,
     GetLoadReq,
-    PrepareGrammarReq,
     GetLoadReqOutput,
     PortArgs,
+    PrepareGrammarReq,
     SchedulerReady,
     TokenizedGenerateReqInput,
 )
