@@ -6,6 +6,7 @@ from __future__ import annotations
 import json
 import re
 import time
+from typing import Any, Callable
 
 import pytest
 import torch
@@ -228,13 +229,17 @@ def test_queue_compiles_once_per_grammar_and_keeps_arrival_order(tokenizer):
     assert not any(r.finished for r in out)
 
 
-def test_queue_builds_its_backend_once_at_the_first_grammar(tokenizer):
+def counted_builds(tokenizer) -> tuple[Callable[[], Any], list]:
+    """A backend factory for GrammarManager and the list of the backends it has built."""
     built = []
-
     def make():
         built.append(backend_class("xgrammar")(tokenizer, VOCAB, [EOS]))
         return built[-1]
+    return make, built
 
+
+def test_queue_builds_its_backend_once_at_the_first_grammar(tokenizer):
+    make, built = counted_builds(tokenizer)
     mgr = GrammarManager(make, None)
     assert built == [] and mgr.backend is None  # nothing until a request has a grammar
     mgr.add(grammar_req("a", regex="a+"))
@@ -244,12 +249,7 @@ def test_queue_builds_its_backend_once_at_the_first_grammar(tokenizer):
 
 
 def test_prepare_builds_the_backend_before_any_grammar_and_only_once(tokenizer):
-    built = []
-
-    def make():
-        built.append(backend_class("xgrammar")(tokenizer, VOCAB, [EOS]))
-        return built[-1]
-
+    make, built = counted_builds(tokenizer)
     mgr = GrammarManager(make, None)
     mgr.prepare()
     mgr.prepare()  # the announcement of every TP rank's first grammar is one build
