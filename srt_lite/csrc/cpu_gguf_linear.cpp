@@ -1329,32 +1329,37 @@ inline void q6k_block_half(const uint8_t* in, int64_t b, int hf, const Quantized
   }
 }
 
-// Block b of rows [m0, m0 + MR) of x (quantized per 32) against half `hf` of a packed Q8_0
-// group, added to acc. Its codes, stored + 128 for vpdpbusd, are signed again here: a code
-// times x is |code| times x with the code's sign, whose pair sums stay within int16 where
-// (code + 128) times x would not.
+// Block b of rows [m0, m0 + MR) of x (quantized per 32) against both halves of a packed Q8_0
+// group, added to acc[0] (outputs 0-7) and acc[1] (8-15). Its codes, stored + 128 for vpdpbusd,
+// are signed again here: a code times x is |code| times x with the code's sign, whose pair sums
+// stay within int16 where (code + 128) times x would not. Q8_0 has no sub-block scales, so
+// the two halves need only 2 * MR accumulators and each broadcast of x serves both (the other
+// types take a half at a time: their int16 sums and scales would not fit AVX2's 16 registers).
 template <int MR>
-inline void q80_block_half(const uint8_t* in, int64_t b, int hf, const QuantizedX& xq, int64_t m0, __m256* acc) {
+inline void q80_block(const uint8_t* in, int64_t b, const QuantizedX& xq, int64_t m0, __m256* acc0, __m256* acc1) {
   const __m256i flip = _mm256_set1_epi8(static_cast<char>(0x80)), ones = _mm256_set1_epi16(1);
-  if (hf == 0) prefetch_lines<9>(in + kQ80PrefetchAhead * 544);
-  __m256i isum[MR];
+  prefetch_lines<9>(in + kQ80PrefetchAhead * 544);
+  __m256i isum0[MR], isum1[MR];
   const int8_t* q[MR];
   for (int m = 0; m < MR; ++m) {
-    isum[m] = _mm256_setzero_si256();
+    isum0[m] = isum1[m] = _mm256_setzero_si256();
     q[m] = xq.q.data() + (m0 + m) * xq.Kp + 32 * b;
   }
   for (int j = 0; j < 8; ++j) {
-    const __m256i w = _mm256_xor_si256(_mm256_loadu_si256(reinterpret_cast<const __m256i*>(in + 32 + 64 * j + 32 * hf)), flip);
-    const __m256i wabs = _mm256_abs_epi8(w);  // -128 reads as 128 unsigned
+    const __m256i w0 = _mm256_xor_si256(_mm256_loadu_si256(reinterpret_cast<const __m256i*>(in + 32 + 64 * j)), flip);
+    const __m256i w1 = _mm256_xor_si256(_mm256_loadu_si256(reinterpret_cast<const __m256i*>(in + 64 + 64 * j)), flip);
+    const __m256i wabs0 = _mm256_abs_epi8(w0), wabs1 = _mm256_abs_epi8(w1);  // -128 reads as 128 unsigned
     for (int m = 0; m < MR; ++m) {
-      const __m256i xs = _mm256_sign_epi8(bcast4_256(q[m] + 4 * j), w);
-      isum[m] = _mm256_add_epi32(isum[m], _mm256_madd_epi16(_mm256_maddubs_epi16(wabs, xs), ones));
+      const __m256i x = bcast4_256(q[m] + 4 * j);
+      isum0[m] = _mm256_add_epi32(isum0[m], _mm256_madd_epi16(_mm256_maddubs_epi16(wabs0, _mm256_sign_epi8(x, w0)), ones));
+      isum1[m] = _mm256_add_epi32(isum1[m], _mm256_madd_epi16(_mm256_maddubs_epi16(wabs1, _mm256_sign_epi8(x, w1)), ones));
     }
   }
-  const __m256 d = halves8(in + 16 * hf);
+  const __m256 d0 = halves8(in), d1 = halves8(in + 16);
   for (int m = 0; m < MR; ++m) {
     const __m256 dx = _mm256_set1_ps(xq.dx4[((m0 + m) * xq.Kp + 32 * b) / 4]);
-    acc[m] = _mm256_fmadd_ps(_mm256_cvtepi32_ps(isum[m]), _mm256_mul_ps(d, dx), acc[m]);
+    acc0[m] = _mm256_fmadd_ps(_mm256_cvtepi32_ps(isum0[m]), _mm256_mul_ps(d0, dx), acc0[m]);
+    acc1[m] = _mm256_fmadd_ps(_mm256_cvtepi32_ps(isum1[m]), _mm256_mul_ps(d1, dx), acc1[m]);
   }
 }
 
@@ -1367,12 +1372,15 @@ void packed_tile_avx2(int64_t type, const uint8_t* group, int64_t K, const Quant
   for (int m = 0; m < MR; ++m) acc[0][m] = acc[1][m] = _mm256_setzero_ps();
   const int64_t blocks = K / type_info(type).unit, bytes = packed_group_bytes(type);
   for (int64_t b = 0; b < blocks; ++b) {
+    if (type == kQ8_0) {
+      q80_block<MR>(group + b * bytes, b, xq, m0, acc[0], acc[1]);
+      continue;
+    }
     for (int hf = 0; hf < 2; ++hf) {
       switch (type) {
         case kQ4_K: q4k_block_half<MR, false>(group + b * bytes, b, hf, xq, m0, acc[hf]); break;
         case kQ5_K: q4k_block_half<MR, true>(group + b * bytes, b, hf, xq, m0, acc[hf]); break;
-        case kQ6_K: q6k_block_half<MR>(group + b * bytes, b, hf, xq, m0, acc[hf]); break;
-        default: q80_block_half<MR>(group + b * bytes, b, hf, xq, m0, acc[hf]); break;
+        default: q6k_block_half<MR>(group + b * bytes, b, hf, xq, m0, acc[hf]); break;
       }
     }
   }
