@@ -15,6 +15,14 @@ from srt_lite.model_loader.default_model import resolve_model_path  # noqa: E402
 
 torch.manual_seed(0)
 
+
+def pytest_collection_modifyitems(config, items) -> None:
+    """Modules with tests marked slow first, each module's tests in their own order: on
+    pytest-xdist's workers (`make test`), which take whole modules in this order, the long
+    ones then start early rather than leave one worker running them after the other is done."""
+    slow = {item.module.__name__ for item in items if item.get_closest_marker("slow")}
+    items.sort(key=lambda item: item.module.__name__ not in slow)
+
 @pytest.fixture(scope="session")
 def default_model_dir() -> str:
     """The converted default model (converted into the user cache on first use)."""

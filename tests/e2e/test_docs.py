@@ -167,6 +167,7 @@ def serve_server():
         s.__exit__(None, None, None)
 
 
+@pytest.mark.slow
 @pytest.mark.parametrize("doc", DOCS, ids=lambda p: p.name)
 def test_doc_commands(doc: Path, tmp_path, reasoner, serve_server):
     blocks = code_blocks(doc)
