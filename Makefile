@@ -27,14 +27,23 @@ $(STAMP): pyproject.toml Makefile
 serve: $(STAMP)
 	$(PY) -m srt_lite.launch_server $(ARGS)
 
+# Two pytest-xdist workers take whole modules, the ones with slow tests first
+# (tests/conftest.py), and the servers and Engines each starts compute on half the cores
+# (OMP_NUM_THREADS, unless set): much of a server test is single-threaded start-up and waiting,
+# which the other worker's tests fill. The C++ ops' tests and the deterministic-inference
+# servers still take two threads or more.
+TEST_WORKERS ?= 2
+PYTEST := OMP_NUM_THREADS=$${OMP_NUM_THREADS:-$$(( ($$(nproc) + $(TEST_WORKERS) - 1) / $(TEST_WORKERS) ))} \
+	$(PY) -m pytest -q -n $(TEST_WORKERS) --dist loadfile --no-loadscope-reorder
+
 # The tests marked cpu_caps run twice: on what this CPU can do, then capped at AVX2
 # (SRT_LITE_CPU_CAPS, which also caps ATen and oneDNN), so an AVX-512 machine checks the AVX2
 # paths too. On a CPU at AVX2 or below the second leg would repeat the first: it is skipped.
 test: $(STAMP)
-	$(PY) -m pytest -q --durations=20 $(PYTEST_ARGS)
+	$(PYTEST) --durations=20 $(PYTEST_ARGS)
 	@if $(PY) -c "import sys; from srt_lite import cpu_caps; sys.exit(cpu_caps.get().level != 'avx512')"; then \
-		echo "SRT_LITE_CPU_CAPS=avx2 $(PY) -m pytest -q -m cpu_caps $(PYTEST_ARGS)"; \
-		SRT_LITE_CPU_CAPS=avx2 $(PY) -m pytest -q -m cpu_caps $(PYTEST_ARGS); \
+		echo "SRT_LITE_CPU_CAPS=avx2 pytest -m cpu_caps $(PYTEST_ARGS)"; \
+		SRT_LITE_CPU_CAPS=avx2 $(PYTEST) -m cpu_caps $(PYTEST_ARGS); \
 	else \
 		echo "this CPU is at AVX2 or below: the AVX2-capped leg would repeat the run above"; \
 	fi

@@ -23,6 +23,24 @@ def pytest_collection_modifyitems(config, items) -> None:
     slow = {item.module.__name__ for item in items if item.get_closest_marker("slow")}
     items.sort(key=lambda item: item.module.__name__ not in slow)
 
+@pytest.fixture
+def two_threads():
+    """At least two threads in this process, so that a test of the C++ ops checks their split
+    of work between threads, even where `make test` gives each worker one (OMP_NUM_THREADS)."""
+    before = torch.get_num_threads()
+    torch.set_num_threads(max(2, before))
+    yield
+    torch.set_num_threads(before)
+
+
+@pytest.fixture(autouse=True)
+def cpu_caps_tests_take_two_threads(request):
+    """The tests marked cpu_caps (the C++ ops' own among them) run with two_threads."""
+    if request.node.get_closest_marker("cpu_caps") is not None:
+        request.getfixturevalue("two_threads")
+    yield
+
+
 @pytest.fixture(scope="session")
 def default_model_dir() -> str:
     """The converted default model (converted into the user cache on first use)."""

@@ -21,7 +21,8 @@ from srt_lite.models.cpp_decoder import CppDecoderStack
 from srt_lite.server_args import ServerArgs
 from tiny_models import make_tiny_model
 
-pytestmark = pytest.mark.skipif(not cpu_kernels.load(), reason="the C++ CPU ops are not built here")
+pytestmark = [pytest.mark.skipif(not cpu_kernels.load(), reason="the C++ CPU ops are not built here"),
+              pytest.mark.usefixtures("two_threads")]
 
 
 @pytest.fixture
