@@ -30,8 +30,8 @@ serve: $(STAMP)
 # Two pytest-xdist workers take whole modules, the ones with slow tests first
 # (tests/conftest.py), and the servers and Engines each starts compute on half the cores
 # (OMP_NUM_THREADS, unless set): much of a server test is single-threaded start-up and waiting,
-# which the other worker's tests fill. The C++ ops' tests and the deterministic-inference
-# servers still take two threads or more.
+# which the other worker's tests fill. The C++ ops' own tests still take two threads or more
+# (tests/conftest.py), so their split of work between threads stays checked.
 TEST_WORKERS ?= 2
 PYTEST := OMP_NUM_THREADS=$${OMP_NUM_THREADS:-$$(( ($$(nproc) + $(TEST_WORKERS) - 1) / $(TEST_WORKERS) ))} \
 	$(PY) -m pytest -q -n $(TEST_WORKERS) --dist loadfile --no-loadscope-reorder

@@ -18,7 +18,7 @@ import pytest
 import torch
 import torch.multiprocessing as mp
 
-from server_utils import ServerProcess, two_threads_env
+from server_utils import ServerProcess
 from tiny_models import make_tp_llama
 from srt_lite.distributed import parallel_state
 from srt_lite.model_loader.default_model import default_gguf_path
@@ -120,10 +120,8 @@ def server_state(server: ServerProcess) -> dict:
 
 
 def check_invariant(args: list[str], bodies: list[dict], kv_tokens: int = 200) -> None:
-    """Alone, together (with retractions), and together again after a restart: equal. One
-    rank computes on two threads or more (a tensor-parallel server's ranks take theirs)."""
-    env = None if "--tp-size" in args else two_threads_env()
-    with ServerProcess(*args, "--enable-deterministic-inference", *pressure(kv_tokens), env=env) as s:
+    """Alone, together (with retractions), and together again after a restart: equal."""
+    with ServerProcess(*args, "--enable-deterministic-inference", *pressure(kv_tokens)) as s:
         server_state(s)
         want = alone(s, bodies)
         # Whether the pressure retracts depends on arrival timing: another random arrival
@@ -133,7 +131,7 @@ def check_invariant(args: list[str], bodies: list[dict], kv_tokens: int = 200) -
             if server_state(s)["load"]["num_retractions"] > 0:
                 break
         assert server_state(s)["load"]["num_retractions"] > 0  # the pressure did what it is there for
-    with ServerProcess(*args, "--enable-deterministic-inference", *pressure(kv_tokens), env=env) as s:
+    with ServerProcess(*args, "--enable-deterministic-inference", *pressure(kv_tokens)) as s:
         assert together(s, bodies, seed=2) == want
 
 
@@ -223,8 +221,8 @@ def test_speculative_decoding_changes_no_greedy_token():
     bodies = [b for b in requests(24) if b["sampling_params"].get("temperature") == 0]
     for b in bodies:
         b["sampling_params"]["max_new_tokens"] = 32
-    with ServerProcess("--enable-deterministic-inference", env=two_threads_env()) as s:
+    with ServerProcess("--enable-deterministic-inference") as s:
         want = [[ids for ids, _ in r] for r in together(s, bodies, seed=3)]
-    with ServerProcess("--enable-deterministic-inference", "--speculative-algorithm", "ngram", env=two_threads_env()) as s:
+    with ServerProcess("--enable-deterministic-inference", "--speculative-algorithm", "ngram") as s:
         got = [[ids for ids, _ in r] for r in together(s, bodies, seed=4)]
     assert got == want

@@ -28,12 +28,6 @@ def _kill_leftovers() -> None:
             s.proc.kill()
 
 
-def two_threads_env() -> dict:
-    """Environment for a server whose test is about results under the C++ ops' split of work
-    between threads: at least two, even where `make test` gives each worker one."""
-    return {"OMP_NUM_THREADS": str(max(2, int(os.environ.get("OMP_NUM_THREADS") or 2)))}
-
-
 class LoggedProcess:
     """A child process whose output goes to a log file, killed with its children at exit if a
     test leaves it running."""
