@@ -23,6 +23,7 @@ def pytest_collection_modifyitems(config, items) -> None:
     slow = {item.module.__name__ for item in items if item.get_closest_marker("slow")}
     items.sort(key=lambda item: item.module.__name__ not in slow)
 
+
 @pytest.fixture
 def two_threads():
     """At least two threads in this process, so that a test of the C++ ops checks their split
