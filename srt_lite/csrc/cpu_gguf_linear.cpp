@@ -1663,8 +1663,13 @@ at::Tensor gguf_repack(const at::Tensor& weight, int64_t type, int64_t K) {
   const int64_t width = K / type_info(type).unit * packed_group_bytes(type);
   at::Tensor out = at::empty({parts.N / kGroup, width}, w.options());  // [N / 16, width]
   ask_huge_pages(out.data_ptr<uint8_t>(), out.numel());
-  at::parallel_for(0, parts.N / kGroup, 16, [&](int64_t begin, int64_t end) {
-    for (int64_t g = begin; g < end; ++g) {
+  // Threads claim groups as they go rather than an equal share each: a model loads while the
+  // HTTP process starts up beside it, and a thread that loses its core for a while then
+  // delays only the group it holds.
+  const int64_t groups = parts.N / kGroup;
+  std::atomic<int64_t> next{0};
+  at::parallel_for(0, std::min<int64_t>(at::get_num_threads(), groups), 1, [&](int64_t, int64_t) {
+    for (int64_t g = next.fetch_add(1); g < groups; g = next.fetch_add(1)) {
       repack_group(type, parts.data[0] + g * kGroup * parts.row_bytes[0], parts.row_bytes[0], K,
                    out.data_ptr<uint8_t>() + g * width);
     }

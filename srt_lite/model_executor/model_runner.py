@@ -100,8 +100,11 @@ class ModelRunner:
         # While the ranks load, the main process imports transformers and loads its tokenizer,
         # which keeps one core busy. A pool that takes every core would wait at each parallel
         # op of the load for the thread that lost its core, so on the CPU the load leaves one.
+        # A GGUF file's blocks are repacked by threads that claim work as they go (a lost core
+        # delays one group of rows), so that load takes every core: most of its time is the
+        # first writes to the packed copy's fresh pages, which go in parallel.
         threads = torch.get_num_threads()
-        if self.device == "cpu" and threads > 1:
+        if self.device == "cpu" and threads > 1 and self.model_config.gguf_file is None:
             torch.set_num_threads(threads - 1)
         try:
             self._build_model()
