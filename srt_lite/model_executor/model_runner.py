@@ -280,7 +280,11 @@ class ModelRunner:
         # GGUF linears take the same integer products or dequantize a slab at a time into the
         # same scratch at any prompt length, so the first pass's size warms nothing for them:
         # one token a request, as decode, instead of seconds of 8-bit compute at start-up.
+        # Nor does a batch size: their passes stop at 4 rows (one at 32 rows is half a second
+        # of compute on a 1B model, and sets up only what the first such batch does anyway).
         prompt = 1 if self.gguf_formats else 8
+        if self.gguf_formats:
+            sizes = [b for b in sizes if b <= 4]
         width = prompt + max(max_verify, 1)  # KV slots per scratch request
         need = sizes[-1] * width
         if need > self.max_total_num_tokens or sizes[-1] > self.req_to_token_pool.available_size():

@@ -139,16 +139,22 @@ def test_formats_are_named(files):
 
 
 def test_warmup_of_a_gguf_model_runs_one_token_prompts(files, monkeypatch):
-    """GGUF products set themselves up alike at any prompt length, so the warm-up's first
-    pass is one token a request and no full chunk follows; its KV is freed."""
+    """GGUF products set themselves up alike at any prompt length and row count, so the
+    warm-up's first pass is one token a request, no full chunk follows and its batches stop
+    at 4 rows; its KV is freed."""
     runner = _runner(files["Q4_K_M", "llama"], "float32")
     shapes = []
     forward = runner.forward
     monkeypatch.setattr(runner, "forward", lambda fb: shapes.append(fb.extend_seq_lens_cpu) or forward(fb))
     free = runner.token_to_kv_pool.available_size()
-    runner.warmup(max_decode_batch=4, num_draft_tokens=0, prefill_chunk=200)
-    assert shapes == [[1] * 4, [1], [1] * 2, [1] * 4]
-    assert runner.token_to_kv_pool.available_size() == free
+    for max_batch in (4, 32):
+        shapes.clear()
+        runner.warmup(max_decode_batch=max_batch, num_draft_tokens=0, prefill_chunk=200)
+        assert shapes == [[1] * 4, [1], [1] * 2, [1] * 4]
+        assert runner.token_to_kv_pool.available_size() == free
+    shapes.clear()
+    runner.warmup(max_decode_batch=2, num_draft_tokens=0, prefill_chunk=200)
+    assert shapes == [[1] * 2, [1], [1] * 2]
 
 
 def test_default_model_file_greedy_text(tokenizer):
