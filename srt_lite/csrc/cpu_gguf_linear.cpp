@@ -1212,57 +1212,76 @@ inline __m256 halves8(const uint8_t* p) {  // 8 fp16 values to fp32
   return _mm256_cvtph_ps(_mm_loadu_si128(reinterpret_cast<const __m128i*>(p)));
 }
 
-// Block b of rows [m0, m0 + MR) of x against half `hf` (outputs 8 hf .. 8 hf + 7) of a packed
-// Q4_K (kQ5: Q5_K) group, added to acc.
-template <int MR, bool kQ5>
-inline void q4k_block_half(const uint8_t* in, int64_t b, int hf, const QuantizedX& xq, int64_t m0, __m256* acc) {
+// Block b of rows [m0, m0 + MR) of x against NH halves from `hf0` (half hf: outputs 8 hf ..
+// 8 hf + 7) of a packed Q4_K (kQ5: Q5_K) group, added to acc [NH][MR]. One row takes both
+// halves in one pass, whose independent sums keep more of the core busy; more rows take a
+// half at a time, as their sums and scales would not fit AVX2's 16 registers twice.
+template <int MR, bool kQ5, int NH>
+inline void q4k_block_halves(const uint8_t* in, int64_t b, int hf0, const QuantizedX& xq, int64_t m0, __m256* acc) {
   // Steps whose pair sums share an int16: 15 * 127 * 2 a step for 4-bit codes, 31 * 127 * 2 for 5.
   constexpr int kSteps = kQ5 ? 4 : 8;
   const __m256i m4 = _mm256_set1_epi8(0xF), fifth = _mm256_set1_epi8(0x10);
-  __m256i isum[MR], imin[MR];
-  for (int m = 0; m < MR; ++m) isum[m] = imin[m] = _mm256_setzero_si256();
+  __m256i isum[NH][MR], imin[NH][MR];
+  for (int h = 0; h < NH; ++h) {
+    for (int m = 0; m < MR; ++m) isum[h][m] = imin[h][m] = _mm256_setzero_si256();
+  }
   for (int c = 0; c < 4; ++c) {
     const int8_t* q[MR];
-    __m256i a0[MR], a1[MR];  // int16: sub-blocks 2c (low nibbles) and 2c + 1 (high)
+    __m256i a0[NH][MR], a1[NH][MR];  // int16: sub-blocks 2c (low nibbles) and 2c + 1 (high)
     for (int m = 0; m < MR; ++m) {
       q[m] = xq.q256.data() + (m0 + m) * xq.Kp + 256 * b + 64 * c;
-      a0[m] = a1[m] = _mm256_setzero_si256();
+      for (int h = 0; h < NH; ++h) a0[h][m] = a1[h][m] = _mm256_setzero_si256();
     }
     // The next block, as packed_q4k's; half 1 reads what half 0 did.
-    if (hf == 0) prefetch_next_k4_chunk<kQ5>(in, c);
-    const __m256i sc_lo = row_scales_u8(in + 64 + 32 * c + 8 * hf), sc_hi = row_scales_u8(in + 80 + 32 * c + 8 * hf);
+    if (hf0 == 0) prefetch_next_k4_chunk<kQ5>(in, c);
+    __m256i sc_lo[NH], sc_hi[NH];
+    for (int h = 0; h < NH; ++h) {
+      sc_lo[h] = row_scales_u8(in + 64 + 32 * c + 8 * (hf0 + h));
+      sc_hi[h] = row_scales_u8(in + 80 + 32 * c + 8 * (hf0 + h));
+    }
     for (int j = 0; j < 8; ++j) {
-      const __m256i v = _mm256_loadu_si256(reinterpret_cast<const __m256i*>(in + 320 + granule(8, c, j, 8 * hf)));
-      __m256i lo = _mm256_and_si256(v, m4), hi = _mm256_and_si256(_mm256_srli_epi16(v, 4), m4);
-      if constexpr (kQ5) {  // bits 2c and 2c + 1 of qh to bit 4 of lo and hi
-        const __m256i h = _mm256_srl_epi16(_mm256_loadu_si256(reinterpret_cast<const __m256i*>(in + kQ4kGroupBytes + granule(8, 0, j, 8 * hf))),
-                                           _mm_cvtsi32_si128(2 * c));
-        lo = _mm256_or_si256(lo, _mm256_and_si256(_mm256_slli_epi16(h, 4), fifth));
-        hi = _mm256_or_si256(hi, _mm256_and_si256(_mm256_slli_epi16(h, 3), fifth));
-      }
-      for (int m = 0; m < MR; ++m) {
-        a0[m] = _mm256_add_epi16(a0[m], _mm256_maddubs_epi16(lo, bcast4_256(q[m] + 4 * j)));
-        a1[m] = _mm256_add_epi16(a1[m], _mm256_maddubs_epi16(hi, bcast4_256(q[m] + 32 + 4 * j)));
+      for (int h = 0; h < NH; ++h) {
+        const int64_t hf = hf0 + h;
+        const __m256i v = _mm256_loadu_si256(reinterpret_cast<const __m256i*>(in + 320 + granule(8, c, j, 8 * hf)));
+        __m256i lo = _mm256_and_si256(v, m4), hi = _mm256_and_si256(_mm256_srli_epi16(v, 4), m4);
+        if constexpr (kQ5) {  // bits 2c and 2c + 1 of qh to bit 4 of lo and hi
+          const __m256i hb = _mm256_srl_epi16(_mm256_loadu_si256(reinterpret_cast<const __m256i*>(in + kQ4kGroupBytes + granule(8, 0, j, 8 * hf))),
+                                              _mm_cvtsi32_si128(2 * c));
+          lo = _mm256_or_si256(lo, _mm256_and_si256(_mm256_slli_epi16(hb, 4), fifth));
+          hi = _mm256_or_si256(hi, _mm256_and_si256(_mm256_slli_epi16(hb, 3), fifth));
+        }
+        for (int m = 0; m < MR; ++m) {
+          a0[h][m] = _mm256_add_epi16(a0[h][m], _mm256_maddubs_epi16(lo, bcast4_256(q[m] + 4 * j)));
+          a1[h][m] = _mm256_add_epi16(a1[h][m], _mm256_maddubs_epi16(hi, bcast4_256(q[m] + 32 + 4 * j)));
+        }
       }
       if ((j + 1) % kSteps == 0) {
-        for (int m = 0; m < MR; ++m) {
-          isum[m] = _mm256_add_epi32(isum[m], _mm256_add_epi32(_mm256_madd_epi16(a0[m], sc_lo), _mm256_madd_epi16(a1[m], sc_hi)));
-          a0[m] = a1[m] = _mm256_setzero_si256();
+        for (int h = 0; h < NH; ++h) {
+          for (int m = 0; m < MR; ++m) {
+            isum[h][m] = _mm256_add_epi32(isum[h][m], _mm256_add_epi32(_mm256_madd_epi16(a0[h][m], sc_lo[h]),
+                                                                       _mm256_madd_epi16(a1[h][m], sc_hi[h])));
+            a0[h][m] = a1[h][m] = _mm256_setzero_si256();
+          }
         }
       }
     }
-    const __m256i mins = _mm256_cvtepu8_epi16(_mm_loadu_si128(reinterpret_cast<const __m128i*>(in + 192 + 32 * c + 16 * hf)));
-    for (int m = 0; m < MR; ++m) {
-      int32_t pair;  // the sums of x over sub-blocks 2c and 2c + 1, as two int16
-      std::memcpy(&pair, xq.sum32.data() + ((m0 + m) * xq.Kp + 256 * b) / 32 + 2 * c, 4);
-      imin[m] = _mm256_add_epi32(imin[m], _mm256_madd_epi16(mins, _mm256_set1_epi32(pair)));
+    for (int h = 0; h < NH; ++h) {
+      const __m256i mins = _mm256_cvtepu8_epi16(_mm_loadu_si128(reinterpret_cast<const __m128i*>(in + 192 + 32 * c + 16 * (hf0 + h))));
+      for (int m = 0; m < MR; ++m) {
+        int32_t pair;  // the sums of x over sub-blocks 2c and 2c + 1, as two int16
+        std::memcpy(&pair, xq.sum32.data() + ((m0 + m) * xq.Kp + 256 * b) / 32 + 2 * c, 4);
+        imin[h][m] = _mm256_add_epi32(imin[h][m], _mm256_madd_epi16(mins, _mm256_set1_epi32(pair)));
+      }
     }
   }
-  const __m256 d = halves8(in + 16 * hf), dmin = halves8(in + 32 + 16 * hf);
-  for (int m = 0; m < MR; ++m) {
-    const __m256 dx = _mm256_set1_ps(xq.d256[((m0 + m) * xq.Kp) / 256 + b]);
-    acc[m] = _mm256_fmadd_ps(_mm256_cvtepi32_ps(isum[m]), _mm256_mul_ps(d, dx), acc[m]);
-    acc[m] = _mm256_fnmadd_ps(_mm256_cvtepi32_ps(imin[m]), _mm256_mul_ps(dmin, dx), acc[m]);
+  for (int h = 0; h < NH; ++h) {
+    const __m256 d = halves8(in + 16 * (hf0 + h)), dmin = halves8(in + 32 + 16 * (hf0 + h));
+    for (int m = 0; m < MR; ++m) {
+      const __m256 dx = _mm256_set1_ps(xq.d256[((m0 + m) * xq.Kp) / 256 + b]);
+      __m256& a = acc[h * MR + m];
+      a = _mm256_fmadd_ps(_mm256_cvtepi32_ps(isum[h][m]), _mm256_mul_ps(d, dx), a);
+      a = _mm256_fnmadd_ps(_mm256_cvtepi32_ps(imin[h][m]), _mm256_mul_ps(dmin, dx), a);
+    }
   }
 }
 
@@ -1376,10 +1395,15 @@ void packed_tile_avx2(int64_t type, const uint8_t* group, int64_t K, const Quant
       q80_block<MR>(group + b * bytes, b, xq, m0, acc[0], acc[1]);
       continue;
     }
+    if (MR == 1 && type != kQ6_K) {  // both halves at once (q4k_block_halves)
+      if (type == kQ4_K) q4k_block_halves<MR, false, 2>(group + b * bytes, b, 0, xq, m0, acc[0]);
+      if (type == kQ5_K) q4k_block_halves<MR, true, 2>(group + b * bytes, b, 0, xq, m0, acc[0]);
+      continue;
+    }
     for (int hf = 0; hf < 2; ++hf) {
       switch (type) {
-        case kQ4_K: q4k_block_half<MR, false>(group + b * bytes, b, hf, xq, m0, acc[hf]); break;
-        case kQ5_K: q4k_block_half<MR, true>(group + b * bytes, b, hf, xq, m0, acc[hf]); break;
+        case kQ4_K: q4k_block_halves<MR, false, 1>(group + b * bytes, b, hf, xq, m0, acc[hf]); break;
+        case kQ5_K: q4k_block_halves<MR, true, 1>(group + b * bytes, b, hf, xq, m0, acc[hf]); break;
         default: q6k_block_half<MR>(group + b * bytes, b, hf, xq, m0, acc[hf]); break;
       }
     }
