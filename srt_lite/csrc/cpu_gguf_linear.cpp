@@ -1395,16 +1395,16 @@ void packed_tile_avx2(int64_t type, const uint8_t* group, int64_t K, const Quant
       q80_block<MR>(group + b * bytes, b, xq, m0, acc[0], acc[1]);
       continue;
     }
-    if (MR == 1 && type != kQ6_K) {  // both halves at once (q4k_block_halves)
-      if (type == kQ4_K) q4k_block_halves<MR, false, 2>(group + b * bytes, b, 0, xq, m0, acc[0]);
-      if (type == kQ5_K) q4k_block_halves<MR, true, 2>(group + b * bytes, b, 0, xq, m0, acc[0]);
+    if (type == kQ6_K) {
+      for (int hf = 0; hf < 2; ++hf) q6k_block_half<MR>(group + b * bytes, b, hf, xq, m0, acc[hf]);
       continue;
     }
-    for (int hf = 0; hf < 2; ++hf) {
-      switch (type) {
-        case kQ4_K: q4k_block_halves<MR, false, 1>(group + b * bytes, b, hf, xq, m0, acc[hf]); break;
-        case kQ5_K: q4k_block_halves<MR, true, 1>(group + b * bytes, b, hf, xq, m0, acc[hf]); break;
-        default: q6k_block_half<MR>(group + b * bytes, b, hf, xq, m0, acc[hf]); break;
+    constexpr int kHalves = MR == 1 ? 2 : 1;  // halves a q4k_block_halves call takes
+    for (int hf = 0; hf < 2; hf += kHalves) {
+      if (type == kQ4_K) {
+        q4k_block_halves<MR, false, kHalves>(group + b * bytes, b, hf, xq, m0, acc[hf]);
+      } else {
+        q4k_block_halves<MR, true, kHalves>(group + b * bytes, b, hf, xq, m0, acc[hf]);
       }
     }
   }
