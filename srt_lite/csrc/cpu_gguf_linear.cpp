@@ -31,6 +31,7 @@
 #include <mutex>
 #include <cmath>
 #include <cstdint>
+#include <cstdlib>
 #include <cstring>
 #include <type_traits>
 #include <vector>
@@ -1663,18 +1664,48 @@ at::Tensor gguf_dequantize(const at::Tensor& weight, int64_t type, int64_t K) {
 }
 
 // Decode streams every weight once a step: on 2 MiB pages the hardware prefetchers are not
-// stopped at each 4 KiB boundary and the TLB covers the whole model. Asked before the first
-// write, so the kernel can back the range with huge pages from the start (where THP is on
-// "madvise"; a no-op where it is off). In a VM that hands freed memory back to its host, the
-// first write of each fresh huge page waits for the host to back it, which lengthens start-up;
-// docs/development.md weighs that against the decode it buys.
-void ask_huge_pages(uint8_t* p, int64_t bytes) {
+// stopped at each 4 KiB boundary and the TLB covers the whole model. The packed copies are
+// therefore placed back to back in arenas aligned to 2 MiB and asked for huge pages before the
+// first write (where THP is on "madvise"; a no-op where it is off). Each tensor on its own
+// allocation would start just past a 2 MiB boundary (the allocator's header) and only its
+// aligned interior could be huge, and the products of a few MiB (attention's) got none. In a VM that hands freed memory back to its
+// host, the first write of each fresh huge page waits for the host to back it, which
+// lengthens start-up; docs/development.md weighs that against the decode it buys.
+constexpr int64_t kHugePage = 2 << 20;
+constexpr int64_t kArenaBytes = 64 << 20;  // a fresh arena's size; larger copies get their own
+
+struct Arena {
+  uint8_t* base;
+  int64_t size, used = 0;
+  Arena(uint8_t* b, int64_t n) : base(b), size(n) {}
+  ~Arena() { std::free(base); }
+};
+
+std::mutex arena_mutex;
+std::weak_ptr<Arena> open_arena;  // the arena new copies go to while any tensor holds it
+
+// uint8 [rows, width], uninitialised, in an arena that the tensor keeps alive.
+at::Tensor huge_page_tensor(int64_t rows, int64_t width) {
+  const int64_t bytes = rows * width;
+  std::shared_ptr<Arena> arena;
+  int64_t offset = 0;
+  {
+    std::lock_guard<std::mutex> lock(arena_mutex);
+    arena = open_arena.lock();
+    if (!arena || arena->used + bytes > arena->size) {
+      const int64_t size = std::max(kArenaBytes, (bytes + kHugePage - 1) / kHugePage * kHugePage);
+      auto* base = static_cast<uint8_t*>(std::aligned_alloc(kHugePage, size));
+      TORCH_CHECK(base, "gguf_repack: out of memory for ", size, " bytes");
 #if defined(__linux__) && defined(MADV_HUGEPAGE)
-  constexpr uintptr_t kHuge = 2 << 20;
-  const uintptr_t begin = (reinterpret_cast<uintptr_t>(p) + kHuge - 1) & ~(kHuge - 1);
-  const uintptr_t end = (reinterpret_cast<uintptr_t>(p) + bytes) & ~(kHuge - 1);
-  if (end > begin) madvise(reinterpret_cast<void*>(begin), end - begin, MADV_HUGEPAGE);
+      madvise(base, size, MADV_HUGEPAGE);
 #endif
+      arena = std::make_shared<Arena>(base, size);
+      if (bytes < kArenaBytes) open_arena = arena;
+    }
+    offset = arena->used;
+    arena->used += (bytes + 63) / 64 * 64;  // the next copy starts on a cache line
+  }
+  return at::from_blob(arena->base + offset, {rows, width}, [arena](void*) {}, at::TensorOptions().dtype(at::kByte));
 }
 
 // weight uint8 [N, K / unit * bytes] of `type` (N a multiple of 16) -> its packed groups
@@ -1685,8 +1716,7 @@ at::Tensor gguf_repack(const at::Tensor& weight, int64_t type, int64_t K) {
   TORCH_CHECK(packed_group_bytes(type) > 0, "gguf_repack: type ", type, " has no packed layout");
   TORCH_CHECK(parts.N % kGroup == 0, "gguf_repack: rows must be a multiple of ", kGroup);
   const int64_t width = K / type_info(type).unit * packed_group_bytes(type);
-  at::Tensor out = at::empty({parts.N / kGroup, width}, w.options());  // [N / 16, width]
-  ask_huge_pages(out.data_ptr<uint8_t>(), out.numel());
+  at::Tensor out = huge_page_tensor(parts.N / kGroup, width);  // [N / 16, width]
   // Threads claim groups as they go rather than an equal share each: a model loads while the
   // HTTP process starts up beside it, and a thread that loses its core for a while then
   // delays only the group it holds.

@@ -128,6 +128,27 @@ def test_packed_groups_keep_every_bit(name):
         torch.ops.srt_lite_cpu.gguf_repack(raw[:40], t.id, k)
 
 
+
+@pytest.mark.skipif(not cpu_kernels.load(), reason="the C++ ops do not build here")
+def test_packed_copies_lie_back_to_back_on_2mib_arenas():
+    """Packed copies share 2 MiB-aligned arenas, each starting on the cache line after the
+    last (a copy of its own would start just past a 2 MiB boundary, its head and tail on small
+    pages); one larger than an arena gets its own, aligned."""
+    huge = 2 << 20
+    t = gguf_types.BY_NAME["Q4_K"]
+    gen = torch.Generator().manual_seed(3)
+    small = [torch.ops.srt_lite_cpu.gguf_repack(gguf_types.random_blocks(t, 16 * n, 512, gen), t.id, 512)
+             for n in (1, 3, 2)]
+    for a, b in zip(small, small[1:]):
+        follows = b.data_ptr() == a.data_ptr() + (a.numel() + 63) // 64 * 64
+        assert follows or b.data_ptr() % huge == 0  # the next one, or a fresh arena
+    assert all(p.data_ptr() % 64 == 0 for p in small)
+    big_raw = gguf_types.random_blocks(t, 16 * 3600, 2048, gen)  # packs to 65 MiB
+    big = torch.ops.srt_lite_cpu.gguf_repack(big_raw, t.id, 2048)
+    assert big.numel() > 64 * 2**20 and big.data_ptr() % huge == 0
+    assert torch.equal(torch.ops.srt_lite_cpu.gguf_dequantize(big[-1:], t.id + PACKED_ID, 2048),
+                       torch.ops.srt_lite_cpu.gguf_dequantize(big_raw[-16:], t.id, 2048))
+
 @pytest.mark.skipif(not cpu_kernels.load(), reason="the C++ ops do not build here")
 def test_packed_kernels_by_cpu_level():
     """The AVX2 and AVX-512 builds pack Q4_K, Q5_K, Q6_K and Q8_0 (vpdpbusd with VNNI, vpmaddubsw
