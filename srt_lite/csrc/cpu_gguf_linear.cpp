@@ -137,7 +137,9 @@ inline void set_k4_scales(Unit& u, const uint8_t* packed, float d, float dmin) {
 // the hardware prefetcher does not keep the next block coming: with a few rows of x the
 // products waited on memory for much of their time. The packed K-quant kernels ask, a slice
 // per step, for the block after the one they work on; Q8_0's blocks are short, so its kernels
-// ask a few blocks ahead.
+// ask a few blocks ahead. The VNNI kernels do not ask at one row: their steps are short
+// enough there for the hardware prefetcher to keep ahead, and one row ran faster without them
+// (docs/development.md).
 template <int kLines>
 inline void prefetch_lines(const uint8_t* p) {
   for (int i = 0; i < kLines; ++i) _mm_prefetch(reinterpret_cast<const char*>(p + 64 * i), _MM_HINT_T0);
@@ -1039,7 +1041,7 @@ void packed_q4k(const uint8_t* group, int64_t K, const QuantizedX& xq, int64_t m
     __m512i isum[MR], imin[MR];
     for (int m = 0; m < MR; ++m) isum[m] = imin[m] = _mm512_setzero_si512();
     for (int c = 0; c < 4; ++c) {
-      prefetch_next_k4_chunk<kQ5>(in, c);
+      if constexpr (MR > 1) prefetch_next_k4_chunk<kQ5>(in, c);
       const int8_t* q[MR];
       __m512i a0[MR], a1[MR];
       for (int m = 0; m < MR; ++m) {
@@ -1095,7 +1097,7 @@ void packed_q6k(const uint8_t* group, int64_t K, const QuantizedX& xq, int64_t m
     for (int m = 0; m < MR; ++m) isum[m] = corr[m] = _mm512_setzero_si512();
     for (int n = 0; n < 2; ++n) {
       for (int h = 0; h < 2; ++h) {  // weights 128n + 32i + 16h + [0, 16), group 8n + 2i + h
-        prefetch_lines<14>(in + 3360 + 896 * (2 * n + h));  // the next block's 53 lines, over 4 steps
+        if constexpr (MR > 1) prefetch_lines<14>(in + 3360 + 896 * (2 * n + h));  // the next block's 53 lines, over 4 steps
         const int8_t* q[MR];
         __m512i a[MR][4];
         for (int m = 0; m < MR; ++m) {
@@ -1149,7 +1151,7 @@ void packed_q80(const uint8_t* group, int64_t K, const QuantizedX& xq, int64_t m
   for (int m = 0; m < MR; ++m) acc[m] = _mm512_setzero_ps();
   for (int64_t b = 0; b < K / 32; ++b) {
     const uint8_t* in = group + b * 544;
-    prefetch_lines<9>(in + kQ80PrefetchAhead * 544);
+    if constexpr (MR > 1) prefetch_lines<9>(in + kQ80PrefetchAhead * 544);
     const int8_t* q[MR];
     __m512i a0[MR], a1[MR];
     for (int m = 0; m < MR; ++m) {
