@@ -379,6 +379,86 @@ struct QuantizedX {
   std::vector<int16_t> sum32;  // [M, Kp / 32], sum of q256 per 32 (the packed Q4_K's minimums)
 };
 
+// x's values as fp32, a vector at a time (bf16 widens exactly: its bits are fp32's top half).
+#if defined(__AVX512F__)
+inline __m512 load_f32x16(const float* p) { return _mm512_loadu_ps(p); }
+inline __m512 load_f32x16(const at::BFloat16* p) {
+  const __m512i wide = _mm512_cvtepu16_epi32(_mm256_loadu_si256(reinterpret_cast<const __m256i*>(p)));
+  return _mm512_castsi512_ps(_mm512_slli_epi32(wide, 16));
+}
+#elif defined(__AVX2__)
+inline __m256 load_f32x8(const float* p) { return _mm256_loadu_ps(p); }
+inline __m256 load_f32x8(const at::BFloat16* p) {
+  const __m256i wide = _mm256_cvtepu16_epi32(_mm_loadu_si128(reinterpret_cast<const __m128i*>(p)));
+  return _mm256_castsi256_ps(_mm256_slli_epi32(wide, 16));
+}
+inline int hsum_i32x8(__m256i v) {
+  const __m128i s = _mm_add_epi32(_mm256_castsi256_si128(v), _mm256_extracti128_si256(v, 1));
+  const __m128i t = _mm_add_epi32(s, _mm_shuffle_epi32(s, 0x4E));
+  return _mm_cvtsi128_si32(_mm_add_epi32(t, _mm_shuffle_epi32(t, 0xB1)));
+}
+#endif
+
+// The largest |x| of n values (n a multiple of 16).
+template <typename T>
+inline float abs_max(const T* x, int64_t n) {
+  float amax = 0.f;
+  int64_t l = 0;
+#if defined(__AVX512F__)
+  __m512 m = _mm512_setzero_ps();
+  for (; l < n; l += 16) m = _mm512_max_ps(_mm512_abs_ps(load_f32x16(x + l)), m);  // a NaN is passed over, as std::max does
+  amax = _mm512_reduce_max_ps(m);
+#elif defined(__AVX2__)
+  const __m256 sign = _mm256_set1_ps(-0.f);
+  __m256 m = _mm256_setzero_ps();
+  for (; l < n; l += 8) m = _mm256_max_ps(_mm256_andnot_ps(sign, load_f32x8(x + l)), m);
+  alignas(32) float lanes[8];
+  _mm256_store_ps(lanes, m);
+  for (float v : lanes) amax = std::max(amax, v);
+#endif
+  for (; l < n; ++l) amax = std::max(amax, std::fabs(static_cast<float>(x[l])));
+  return amax;
+}
+
+// q[l] = x[l] * id rounded to the nearest integer (ties to even, as std::nearbyint in the
+// default rounding mode; the vector conversions round the same way) for n values (a multiple
+// of 16), and sums[j] the sum of q over values [16 j, 16 j + 16).
+template <typename T>
+inline void round_scaled(const T* x, int64_t n, float id, int8_t* q, int* sums) {
+  int64_t l = 0;
+#if defined(__AVX512F__)
+  const __m512 vid = _mm512_set1_ps(id);
+  for (; l < n; l += 16) {
+    const __m512i qi = _mm512_cvtps_epi32(_mm512_mul_ps(load_f32x16(x + l), vid));
+    _mm_storeu_si128(reinterpret_cast<__m128i*>(q + l), _mm512_cvtepi32_epi8(qi));
+    sums[l / 16] = _mm512_reduce_add_epi32(qi);
+  }
+#elif defined(__AVX2__)
+  const __m256 vid = _mm256_set1_ps(id);
+  for (; l < n; l += 16) {
+    const __m256i a = _mm256_cvtps_epi32(_mm256_mul_ps(load_f32x8(x + l), vid));
+    const __m256i b = _mm256_cvtps_epi32(_mm256_mul_ps(load_f32x8(x + l + 8), vid));
+    const __m128i wa = _mm_packs_epi32(_mm256_castsi256_si128(a), _mm256_extracti128_si256(a, 1));
+    const __m128i wb = _mm_packs_epi32(_mm256_castsi256_si128(b), _mm256_extracti128_si256(b, 1));
+    _mm_storeu_si128(reinterpret_cast<__m128i*>(q + l), _mm_packs_epi16(wa, wb));  // |q| <= 127: no saturation
+    sums[l / 16] = hsum_i32x8(_mm256_add_epi32(a, b));
+  }
+#endif
+  for (; l < n; l += 16) {
+    int sum = 0;
+    for (int64_t e = l; e < l + 16; ++e) {
+      const int qi = static_cast<int>(std::nearbyint(static_cast<float>(x[e]) * id));
+      q[e] = static_cast<int8_t>(qi);
+      sum += qi;
+    }
+    sums[l / 16] = sum;
+  }
+}
+
+// Units of quantization a thread takes at least: at a few rows the whole of x is quantized in
+// less time than waking the other threads costs.
+constexpr int64_t kQuantizeGrain = 1 << 14;  // values
+
 // Fills xq's per-256 fields from x [M, K] (K a multiple of 256).
 template <typename T>
 void quantize_x256(const T* x, int64_t M, int64_t K, QuantizedX& xq) {
@@ -387,24 +467,15 @@ void quantize_x256(const T* x, int64_t M, int64_t K, QuantizedX& xq) {
   xq.d256.assign(M * Kp / 256, 0.f);
   xq.sum16.assign(M * Kp / 16, 0);
   xq.sum32.assign(M * Kp / 32, 0);
-  at::parallel_for(0, M * blocks, 16, [&](int64_t begin, int64_t end) {
+  at::parallel_for(0, M * blocks, kQuantizeGrain / 256, [&](int64_t begin, int64_t end) {
     for (int64_t i = begin; i < end; ++i) {
       const int64_t m = i / blocks, b = i % blocks;
       const T* src = x + m * K + 256 * b;
-      float amax = 0.f;
-      for (int l = 0; l < 256; ++l) amax = std::max(amax, std::fabs(static_cast<float>(src[l])));
-      const float d = amax / 127.f, id = d > 0.f ? 1.f / d : 0.f;
-      int8_t* q = xq.q256.data() + m * Kp + 256 * b;
-      int16_t* sums = xq.sum16.data() + (m * Kp + 256 * b) / 16;
-      for (int j = 0; j < 16; ++j) {
-        int sum = 0;
-        for (int l = 16 * j; l < 16 * j + 16; ++l) {
-          const int qi = static_cast<int>(std::nearbyint(static_cast<float>(src[l]) * id));
-          q[l] = static_cast<int8_t>(qi);
-          sum += qi;
-        }
-        sums[j] = static_cast<int16_t>(sum);
-      }
+      const float d = abs_max(src, 256) / 127.f, id = d > 0.f ? 1.f / d : 0.f;
+      int sums[16];
+      round_scaled(src, 256, id, xq.q256.data() + m * Kp + 256 * b, sums);
+      int16_t* sum16 = xq.sum16.data() + (m * Kp + 256 * b) / 16;
+      for (int j = 0; j < 16; ++j) sum16[j] = static_cast<int16_t>(sums[j]);
       for (int j = 0; j < 8; ++j) xq.sum32[(m * Kp + 256 * b) / 32 + j] = static_cast<int16_t>(sums[2 * j] + sums[2 * j + 1]);
       xq.d256[(m * Kp) / 256 + b] = d;
     }
@@ -419,23 +490,13 @@ void quantize_x32(const T* x, int64_t M, int64_t K, QuantizedX& out) {
   out.dx4.assign(M * Kp / 4, 0.f);
   out.sums.assign(M * Kp / 16, 0.f);
   const int64_t groups = K / 32;
-  at::parallel_for(0, M * groups, 64, [&](int64_t begin, int64_t end) {
+  at::parallel_for(0, M * groups, kQuantizeGrain / 32, [&](int64_t begin, int64_t end) {
     for (int64_t i = begin; i < end; ++i) {
       const int64_t m = i / groups, g = i % groups;
       const T* src = x + m * K + 32 * g;
-      float v[32], amax = 0.f;
-      for (int l = 0; l < 32; ++l) {
-        v[l] = static_cast<float>(src[l]);
-        amax = std::max(amax, std::fabs(v[l]));
-      }
-      const float d = amax / 127.f, id = d > 0.f ? 1.f / d : 0.f;
-      int sum[2] = {0, 0};
-      int8_t* q = out.q.data() + m * Kp + 32 * g;
-      for (int l = 0; l < 32; ++l) {
-        const int qi = static_cast<int>(std::nearbyint(v[l] * id));
-        q[l] = static_cast<int8_t>(qi);
-        sum[l / 16] += qi;
-      }
+      const float d = abs_max(src, 32) / 127.f, id = d > 0.f ? 1.f / d : 0.f;
+      int sum[2];
+      round_scaled(src, 32, id, out.q.data() + m * Kp + 32 * g, sum);
       float* dx4 = out.dx4.data() + (m * Kp + 32 * g) / 4;
       for (int l = 0; l < 8; ++l) dx4[l] = d;
       out.sums[(m * Kp + 32 * g) / 16] = d * static_cast<float>(sum[0]);
