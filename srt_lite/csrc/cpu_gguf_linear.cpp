@@ -1165,6 +1165,9 @@ void packed_q6k(const uint8_t* group, int64_t K, const QuantizedX& xq, int64_t m
           q[m] = xq.q256.data() + (m0 + m) * xq.Kp + 256 * b + 128 * n + 16 * h;
           for (int i = 0; i < 4; ++i) a[m][i] = _mm512_setzero_si512();
         }
+        // Unrolled, so that the 4 * MR sums stay in registers: left as a loop at 4 rows, GCC
+        // kept them in memory and every vpdpbusd waited on a store and a load.
+#pragma GCC unroll 4
         for (int jj = 0; jj < 4; ++jj) {
           const int j = 4 * h + jj;
           const __m512i hb = _mm512_loadu_si512(in + q6_at(n, j, 0, 0));
