@@ -40,8 +40,11 @@ std::vector<uint8_t> random_rows(int64_t type, int64_t N, int64_t K, std::mt1993
   for (auto& b : raw) b = rng() & 0xFF;
   for (int64_t i = 0; i < N * K / info.unit; ++i) {
     uint8_t* blk = raw.data() + i * info.bytes;
-    for (int off : {type == kQ6_K ? 208 : 0, is_k_type(type) && type != kQ6_K ? 2 : -1}) {
-      if (off < 0) continue;
+    // Where the block's fp16 scales lie: Q6_K's d at its end, Q4_K / Q5_K's d and dmin first,
+    // Q8_0's d first.
+    const std::vector<int> halves = type == kQ6_K ? std::vector<int>{208}
+                                    : is_k_type(type) ? std::vector<int>{0, 2} : std::vector<int>{0};
+    for (int off : halves) {
       const uint16_t h = 0x2000 | (rng() & 0x3FF);  // a small positive half
       std::memcpy(blk + off, &h, 2);
     }
@@ -105,7 +108,7 @@ int main(int argc, char** argv) {
   const int64_t run = std::max<int64_t>(1, groups / (8 * threads));  // as dot_linear claims them
   std::vector<double> kernel_gbs, sum_gbs, ratio;
   for (int rep = 0; rep < 31; ++rep) {
-    double ts = 0, tk = 0;
+    double ts = 0;
     for (const at::Tensor& w : ws) ts += time_sum(w.data_ptr<uint8_t>(), bytes, threads);
     const double t0 = now();
     for (const at::Tensor& w : ws) {
@@ -120,7 +123,7 @@ int main(int argc, char** argv) {
         }
       }
     }
-    tk = now() - t0;
+    const double tk = now() - t0;
     kernel_gbs.push_back(bytes * copies / tk / 1e9);
     sum_gbs.push_back(bytes * copies / ts / 1e9);
     ratio.push_back(ts / tk);

@@ -1733,10 +1733,11 @@ at::Tensor gguf_dequantize(const at::Tensor& weight, int64_t type, int64_t K) {
 // stopped at each 4 KiB boundary and the TLB covers the whole model. The packed copies are
 // therefore placed back to back in arenas aligned to 2 MiB and asked for huge pages before the
 // first write (where THP is on "madvise"; a no-op where it is off). Each tensor on its own
-// allocation would start just past a 2 MiB boundary (the allocator's header) and only its
-// aligned interior could be huge, and the products of a few MiB (attention's) got none. In a VM that hands freed memory back to its
-// host, the first write of each fresh huge page waits for the host to back it, which
-// lengthens start-up; docs/development.md weighs that against the decode it buys.
+// allocation would start just past a 2 MiB boundary (the allocator's header), so only its
+// aligned interior could be huge and a product of a few MiB (attention's) got none. In a VM
+// that hands freed memory back to its host, the first write of each fresh huge page waits for
+// the host to back it, which lengthens start-up; docs/development.md weighs that against the
+// decode it buys.
 constexpr int64_t kHugePage = 2 << 20;
 constexpr int64_t kArenaBytes = 64 << 20;  // a fresh arena's size; larger copies get their own
 

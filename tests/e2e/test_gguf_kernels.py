@@ -128,7 +128,6 @@ def test_packed_groups_keep_every_bit(name):
         torch.ops.srt_lite_cpu.gguf_repack(raw[:40], t.id, k)
 
 
-
 @pytest.mark.skipif(not cpu_kernels.load(), reason="the C++ ops do not build here")
 def test_packed_copies_lie_back_to_back_on_2mib_arenas():
     """Packed copies share 2 MiB-aligned arenas, each starting on the cache line after the
@@ -148,6 +147,7 @@ def test_packed_copies_lie_back_to_back_on_2mib_arenas():
     assert big.numel() > 64 * 2**20 and big.data_ptr() % huge == 0
     assert torch.equal(torch.ops.srt_lite_cpu.gguf_dequantize(big[-1:], t.id + PACKED_ID, 2048),
                        torch.ops.srt_lite_cpu.gguf_dequantize(big_raw[-16:], t.id, 2048))
+
 
 @pytest.mark.skipif(not cpu_kernels.load(), reason="the C++ ops do not build here")
 def test_packed_kernels_by_cpu_level():
