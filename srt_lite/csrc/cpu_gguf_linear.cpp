@@ -146,11 +146,12 @@ inline void prefetch_lines(const uint8_t* p) {
   for (int i = 0; i < kLines; ++i) _mm_prefetch(reinterpret_cast<const char*>(p + 64 * i), _MM_HINT_T0);
 }
 
-// The same, into L2 only (prefetcht1), kL2Ahead bytes or more ahead. At two rows and more a
-// VNNI kernel's block takes long enough that one block ahead leaves too few lines in flight
-// to keep the memory busy: with requests ~16 KB ahead into L2 as well, a 4-row Q4_K product
-// streamed at ~0.9 of a vector sum's rate instead of ~0.7. The same requests into L1
-// (prefetcht0) gained nothing, and at one row they were slower (docs/development.md).
+// The same, into L2 only (prefetcht1), kL2Ahead bytes or more ahead. Where a kernel's block
+// takes long (the VNNI kernels from two rows on, AVX2's at every row count), one block ahead
+// leaves too few lines in flight to keep the memory busy: with requests ~16 KB ahead into L2
+// as well, a 4-row Q4_K product streamed at ~0.9 of a vector sum's rate instead of ~0.7. The
+// same requests into L1 (prefetcht0) gained nothing; at one row the VNNI kernels were slower
+// with them (docs/development.md).
 constexpr int64_t kL2Ahead = 16384;
 constexpr int64_t l2_ahead(int64_t block_bytes) { return (kL2Ahead + block_bytes - 1) / block_bytes * block_bytes; }
 template <int kLines>
@@ -1321,8 +1322,12 @@ inline void q4k_block_halves(const uint8_t* in, int64_t b, int hf0, const Quanti
       q[m] = xq.q256.data() + (m0 + m) * xq.Kp + 256 * b + 64 * c;
       for (int h = 0; h < NH; ++h) a0[h][m] = a1[h][m] = _mm256_setzero_si256();
     }
-    // The next block, as packed_q4k's; half 1 reads what half 0 did.
-    if (hf0 == 0) prefetch_next_k4_chunk<kQ5>(in, c);
+    // The next block and one ~16 KB ahead into L2, as packed_q4k's (at one row too: the AVX2
+    // kernels' steps are long there as well); half 1 reads what half 0 did.
+    if (hf0 == 0) {
+      prefetch_next_k4_chunk<kQ5>(in, c);
+      prefetch_l2<kQ5 ? 12 : 10>(in + l2_ahead(k4_group_bytes<kQ5>()) + (kQ5 ? 768 : 640) * c);
+    }
     __m256i sc_lo[NH], sc_hi[NH];
     for (int h = 0; h < NH; ++h) {
       sc_lo[h] = row_scales_u8(in + 64 + 32 * c + 8 * (hf0 + h));
@@ -1394,7 +1399,10 @@ inline void q6_groups_half(const uint8_t* in, int n, int hf, const int8_t* const
   const __m256i pair = _mm256_cvtepi8_epi16(_mm_loadu_si128(reinterpret_cast<const __m128i*>(in + 32 + 32 * (4 * n + I) + 16 * hf)));
   const __m256i sc[2] = {_mm256_blend_epi16(pair, _mm256_slli_epi32(pair, 16), 0xAA),
                          _mm256_blend_epi16(_mm256_srli_epi32(pair, 16), pair, 0xAA)};
-  if (hf == 0) prefetch_lines<7>(in + 3360 + 448 * (4 * n + I));  // the next block's 53 lines, over 8 calls
+  if (hf == 0) {  // the next block's 53 lines over 8 calls, and a block ~16 KB ahead into L2
+    prefetch_lines<7>(in + 3360 + 448 * (4 * n + I));
+    prefetch_l2<7>(in + l2_ahead(3360) + 448 * (4 * n + I));
+  }
   for (int j = 0; j < 8; j += 2) {  // group 8n + 2I + j / 4: weights 128n + 32I + 4j ..
     const __m256i c0 = q6_codes_half<I>(in, n, j, hf), c1 = q6_codes_half<I>(in, n, j + 1, hf);
     for (int m = 0; m < MR; ++m) {
@@ -1447,6 +1455,7 @@ template <int MR>
 inline void q80_block(const uint8_t* in, int64_t b, const QuantizedX& xq, int64_t m0, __m256* acc0, __m256* acc1) {
   const __m256i flip = _mm256_set1_epi8(static_cast<char>(0x80)), ones = _mm256_set1_epi16(1);
   prefetch_lines<9>(in + kQ80PrefetchAhead * 544);
+  if constexpr (MR > 1) prefetch_l2<9>(in + l2_ahead(544) + kQ80PrefetchAhead * 544);  // one row keeps up without
   __m256i isum0[MR], isum1[MR];
   const int8_t* q[MR];
   for (int m = 0; m < MR; ++m) {
