@@ -1662,7 +1662,8 @@ void dot_linear(const at::Tensor& x, const Parts& parts, const float* bias, at::
   // Threads claim runs of tasks as they go rather than an equal share each: on a CPU shared
   // with the server's other processes (or a VM's neighbours), a thread that loses its core for
   // a while delays only the run it holds, not the whole product. Which thread computes an
-  // output does not change its value. A run is whole stages, so that stages start on lines of y.
+  // output does not change its value. Runs are whole stages, so that a stage starts on a cache
+  // line of y wherever the parts' sizes allow.
   const int64_t count = part_task.back();
   const int64_t threads = std::min<int64_t>(at::get_num_threads(), count);
   const int64_t share = count / (8 * std::max<int64_t>(threads, 1));
