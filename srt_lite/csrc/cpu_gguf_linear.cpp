@@ -159,6 +159,14 @@ inline void prefetch_l2(const uint8_t* p) {
   for (int i = 0; i < kLines; ++i) _mm_prefetch(reinterpret_cast<const char*>(p + 64 * i), _MM_HINT_T1);
 }
 
+// The kLines at `slice` of the block a kernel works on (block_bytes long), asked for in the
+// next block (into L1) and in a block kL2Ahead bytes or more on (into L2).
+template <int kLines>
+inline void prefetch_ahead(const uint8_t* slice, int64_t block_bytes) {
+  prefetch_lines<kLines>(slice + block_bytes);
+  prefetch_l2<kLines>(slice + l2_ahead(block_bytes));
+}
+
 inline __m256i load32(const uint8_t* p) { return _mm256_loadu_si256(reinterpret_cast<const __m256i*>(p)); }
 inline void store32(uint8_t* p, __m256i v) { _mm256_store_si256(reinterpret_cast<__m256i*>(p), v); }
 // Byte l = 0xFF where bit l of the 32-bit word at p is set (llama.cpp's bytes_from_bits_32).
@@ -965,13 +973,13 @@ constexpr int64_t kQ80PrefetchAhead = 4;  // Q8_0 blocks (8.5 lines each) betwee
 inline bool is_packed(int64_t type) { return type >= kPacked; }
 constexpr int64_t kQ4kGroupBytes = 2368;  // a packed Q4_K block of 16 rows; Q5_K's qh start there
 constexpr int64_t kQ5kGroupBytes = 2880;
-// A packed Q4_K (kQ5: Q5_K) block: its bytes, and the next block's lines asked for per chunk.
+// A packed Q4_K (kQ5: Q5_K) block: its bytes, and its lines asked for ahead per chunk.
 template <bool kQ5>
 constexpr int64_t k4_group_bytes() { return kQ5 ? kQ5kGroupBytes : kQ4kGroupBytes; }
 #if defined(__AVX2__)
 template <bool kQ5>
-inline void prefetch_next_k4_chunk(const uint8_t* in, int c) {  // 37 (Q5_K: 45) lines over 4 chunks
-  prefetch_lines<kQ5 ? 12 : 10>(in + k4_group_bytes<kQ5>() + (kQ5 ? 768 : 640) * c);
+inline void prefetch_k4_chunk(const uint8_t* in, int c) {  // 37 (Q5_K: 45) lines over 4 chunks
+  prefetch_ahead<kQ5 ? 12 : 10>(in + (kQ5 ? 768 : 640) * c, k4_group_bytes<kQ5>());
 }
 #endif
 
@@ -1116,10 +1124,7 @@ void packed_q4k(const uint8_t* group, int64_t K, const QuantizedX& xq, int64_t m
     __m512i isum[MR], imin[MR];
     for (int m = 0; m < MR; ++m) isum[m] = imin[m] = _mm512_setzero_si512();
     for (int c = 0; c < 4; ++c) {
-      if constexpr (MR > 1) {
-        prefetch_next_k4_chunk<kQ5>(in, c);
-        prefetch_l2<kQ5 ? 12 : 10>(in + l2_ahead(kBytes) + (kQ5 ? 768 : 640) * c);
-      }
+      if constexpr (MR > 1) prefetch_k4_chunk<kQ5>(in, c);
       const int8_t* q[MR];
       __m512i a0[MR], a1[MR];
       for (int m = 0; m < MR; ++m) {
@@ -1175,10 +1180,7 @@ void packed_q6k(const uint8_t* group, int64_t K, const QuantizedX& xq, int64_t m
     for (int m = 0; m < MR; ++m) isum[m] = corr[m] = _mm512_setzero_si512();
     for (int n = 0; n < 2; ++n) {
       for (int h = 0; h < 2; ++h) {  // weights 128n + 32i + 16h + [0, 16), group 8n + 2i + h
-        if constexpr (MR > 1) {  // the next block's 53 lines over 4 steps, and a block as far ahead into L2
-          prefetch_lines<14>(in + 3360 + 896 * (2 * n + h));
-          prefetch_l2<14>(in + l2_ahead(3360) + 896 * (2 * n + h));
-        }
+        if constexpr (MR > 1) prefetch_ahead<14>(in + 896 * (2 * n + h), 3360);  // a block's 53 lines over 4 steps
         const int8_t* q[MR];
         __m512i a[MR][4];
         for (int m = 0; m < MR; ++m) {
@@ -1322,12 +1324,9 @@ inline void q4k_block_halves(const uint8_t* in, int64_t b, int hf0, const Quanti
       q[m] = xq.q256.data() + (m0 + m) * xq.Kp + 256 * b + 64 * c;
       for (int h = 0; h < NH; ++h) a0[h][m] = a1[h][m] = _mm256_setzero_si256();
     }
-    // The next block and one ~16 KB ahead into L2, as packed_q4k's (at one row too: the AVX2
-    // kernels' steps are long there as well); half 1 reads what half 0 did.
-    if (hf0 == 0) {
-      prefetch_next_k4_chunk<kQ5>(in, c);
-      prefetch_l2<kQ5 ? 12 : 10>(in + l2_ahead(k4_group_bytes<kQ5>()) + (kQ5 ? 768 : 640) * c);
-    }
+    // As packed_q4k asks (at one row too: the AVX2 kernels' steps are long there as well);
+    // half 1 reads what half 0 did.
+    if (hf0 == 0) prefetch_k4_chunk<kQ5>(in, c);
     __m256i sc_lo[NH], sc_hi[NH];
     for (int h = 0; h < NH; ++h) {
       sc_lo[h] = row_scales_u8(in + 64 + 32 * c + 8 * (hf0 + h));
@@ -1399,10 +1398,7 @@ inline void q6_groups_half(const uint8_t* in, int n, int hf, const int8_t* const
   const __m256i pair = _mm256_cvtepi8_epi16(_mm_loadu_si128(reinterpret_cast<const __m128i*>(in + 32 + 32 * (4 * n + I) + 16 * hf)));
   const __m256i sc[2] = {_mm256_blend_epi16(pair, _mm256_slli_epi32(pair, 16), 0xAA),
                          _mm256_blend_epi16(_mm256_srli_epi32(pair, 16), pair, 0xAA)};
-  if (hf == 0) {  // the next block's 53 lines over 8 calls, and a block ~16 KB ahead into L2
-    prefetch_lines<7>(in + 3360 + 448 * (4 * n + I));
-    prefetch_l2<7>(in + l2_ahead(3360) + 448 * (4 * n + I));
-  }
+  if (hf == 0) prefetch_ahead<7>(in + 448 * (4 * n + I), 3360);  // a block's 53 lines over 8 calls
   for (int j = 0; j < 8; j += 2) {  // group 8n + 2I + j / 4: weights 128n + 32I + 4j ..
     const __m256i c0 = q6_codes_half<I>(in, n, j, hf), c1 = q6_codes_half<I>(in, n, j + 1, hf);
     for (int m = 0; m < MR; ++m) {
