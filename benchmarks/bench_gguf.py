@@ -11,15 +11,21 @@ F16. llama.cpp's own quantizer (`llama_model_quantize`, from llama-cpp-python in
 $LLAMACPP_PYTHON, default .bench-venvs/llama/bin/python) turns each into Q4_K_M and Q8_0.
 
 `run` starts srt_lite (`--model-path FILE`, its defaults) and llama.cpp's server (`--n_ctx
-4096 --n_threads <cores>`) on the same file, warms both, then for each round sends one-stream
-requests alternately to each (so the host's drift hits both alike): greedy completions of a
-fixed prompt, 64 tokens less 1 token (decode tok/s with the prefill cancelled; no logit_bias:
-llama-cpp-python applies it in Python, and the token counts are reported), and a ~512-token
-prompt with one output token (prefill), then 4 and 8 concurrent 64-token streams on srt_lite
-alone (medians over the rounds; each round's figures are in the output too). Reports each
-server's start time and memory (PSS summed over its processes), and the roofline fraction
-of single-stream decode against the best read bandwidth measured here (the file's tensor
-bytes per token).
+4096 --n_threads <cores>`) on the same file, warms both, then for each round probes the read
+bandwidth, sends one-stream requests to each engine in turn (which goes first alternates from
+round to round, so that neither always follows the other's or its own heavier work) and then
+4 and 8 concurrent 64-token streams to srt_lite alone. One-stream requests are greedy
+completions of a fixed prompt, 64 tokens less 1 token (decode tok/s with the prefill
+cancelled; no logit_bias: llama-cpp-python applies it in Python, and the token counts are
+reported), and a ~512-token prompt with one output token (prefill).
+
+This host's memory moves between phases (reads ~1.5x faster in one than in the other), each
+lasting from seconds to minutes, so two requests a few seconds apart can see different
+memory. Reported: medians over the rounds, every round's figures, and the one-stream ratio
+per round (the two engines' requests of a round ran seconds apart) with its median, which
+is the figure to quote. Also each server's start time and memory (PSS summed over its
+processes), and the roofline fraction of single-stream decode against the best read
+bandwidth measured in the run (the file's tensor bytes per token).
 """
 
 from __future__ import annotations
@@ -287,15 +293,23 @@ async def run_async(args) -> dict:
             single = {n: [] for n in servers}
             prefill = {n: [] for n in servers}
             many: dict[int, list[float]] = {4: [], 8: []}
+            probes = []
             for rnd in range(args.rounds):
-                for n, s in servers.items():
+                probes.append(read_bandwidth_gbs(1.0))
+                order = list(servers) if rnd % 2 == 0 else list(servers)[::-1]
+                for n in order:
+                    s = servers[n]
                     single[n].append(await single_stream(client, s.base, names[n], 64))
                     prefill[n].append((await complete(client, s.base, names[n], f"{rnd + 1} {long_prompt}", 1))[0])
                 for streams in many:  # in every round, so that the host's drift meets them as it meets one stream
                     many[streams].append(await concurrent_streams(client, srt.base, names["srt_lite"], streams, rnd))
             out["single_tok_s"] = {n: statistics.median(r["rate"] for r in v) for n, v in single.items()}
             out["single_tok_s_rounds"] = {n: [round(r["rate"], 2) for r in v] for n, v in single.items()}
+            ratios = [a["rate"] / b["rate"] for a, b in zip(single["srt_lite"], single["llamacpp"])]
+            out["single_ratio_rounds"] = [round(r, 3) for r in ratios]
+            out["single_ratio_median"] = statistics.median(ratios)
             out["single_tokens"] = {n: [r["tokens"] for r in v] for n, v in single.items()}
+            out["round_probe_gbs"] = [round(b, 1) for b in probes]
             out["prefill_512_s"] = {n: statistics.median(v) for n, v in prefill.items()}
             for streams, rates in many.items():
                 out[f"srt_lite_{streams}_streams_tok_s"] = statistics.median(rates)
@@ -304,7 +318,8 @@ async def run_async(args) -> dict:
     finally:
         for s in servers.values():
             s.stop()
-    bw = read_bandwidth_gbs()
+    out["read_bandwidth_gbs_end"] = read_bandwidth_gbs()
+    bw = max(out["read_bandwidth_gbs_end"], *out["round_probe_gbs"])
     out["read_bandwidth_gbs"] = bw
     out["roofline_tok_s"] = bw * 1e9 / tensor_bytes(model_file)
     out["srt_lite_roofline_fraction"] = out["single_tok_s"]["srt_lite"] / out["roofline_tok_s"]
