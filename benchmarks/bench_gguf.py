@@ -2,7 +2,7 @@
 same K-quant and Q8_0 files, both up at once.
 
     .venv/bin/python benchmarks/bench_gguf.py make DIR          # writes the files (once)
-    .venv/bin/python benchmarks/bench_gguf.py run DIR/1b-Q4_K_M.gguf [--rounds 4]
+    .venv/bin/python benchmarks/bench_gguf.py run DIR/1b-Q4_K_M.gguf [--rounds 8]
 
 `make` writes, with gguf-py, an F16 GGUF of a Llama with Llama-3.2-1B's layer shape (hidden
 2048, 16 layers, 32 heads, 8 KV heads, intermediate 8192, tied embeddings) and random normal
@@ -19,9 +19,9 @@ completions of a fixed prompt, 64 tokens less 1 token (decode tok/s with the pre
 cancelled; no logit_bias: llama-cpp-python applies it in Python, and the token counts are
 reported), and a ~512-token prompt with one output token (prefill).
 
-This host's memory moves between phases (reads ~1.5x faster in one than in the other), each
-lasting from seconds to minutes, so two requests a few seconds apart can see different
-memory. Reported: medians over the rounds, every round's figures, and the one-stream ratio
+A shared host's memory bandwidth can change between two requests a few seconds apart
+(docs/benchmarks.md), so a median of each engine's own rounds can pair different conditions.
+Reported: medians over the rounds, every round's figures, and the one-stream ratio
 per round (the two engines' requests of a round ran seconds apart) with its median, which
 is the figure to quote. Also each server's start time and memory (PSS summed over its
 processes), and the roofline fraction of single-stream decode against the best read
@@ -333,7 +333,7 @@ def main() -> None:
     m.add_argument("out")
     r = sub.add_parser("run")
     r.add_argument("file")
-    r.add_argument("--rounds", type=int, default=4)
+    r.add_argument("--rounds", type=int, default=8)
     r.add_argument("--port", type=int, default=30300)
     args = p.parse_args()
     if args.cmd == "make":
