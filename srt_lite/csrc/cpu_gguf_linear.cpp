@@ -1703,11 +1703,12 @@ void dot_linear(const at::Tensor& x, const Parts& parts, const float* bias, at::
 }
 
 // Rows [n0, n0 + rows) of the parts, dequantized into out [rows, K] (of `dtype`).
-void dequantize_rows(const Parts& parts, int64_t K, int64_t n0, int64_t rows, const at::Tensor& out) {
+void dequantize_rows(const Parts& parts, int64_t K, int64_t n0, int64_t rows, const at::Tensor& out,
+                     const int64_t* ids = nullptr) {
   at::parallel_for(0, rows, 4, [&](int64_t begin, int64_t end) {
     std::vector<uint8_t> buf;  // a packed row back in the file's blocks
     for (int64_t r = begin; r < end; ++r) {
-      const int64_t n = n0 + r;
+      const int64_t n = ids ? ids[r] : n0 + r;
       const size_t p = std::upper_bound(parts.first.begin(), parts.first.end(), n) - parts.first.begin() - 1;
       const int64_t type = parts.types[p] % kPacked, i = n - parts.first[p];
       const uint8_t* row = parts.data[p] + i * parts.row_bytes[p];
@@ -1764,6 +1765,23 @@ at::Tensor gguf_dequantize(const at::Tensor& weight, int64_t type, int64_t K) {
   const Parts parts = check_parts({w}, {type}, K);
   at::Tensor out = at::empty({parts.N, K}, w.options().dtype(at::kFloat));  // [N, K]
   dequantize_rows(parts, K, 0, parts.N, out);
+  return out;
+}
+
+// Rows `ids` of a weight (packed or in the file's blocks) to float32 [T, K]: an embedding's
+// lookup. A tied embedding reads the head's packed copy, so that the file's pages of the table
+// are not mapped again token by token beside it.
+at::Tensor gguf_rows(const at::Tensor& weight, int64_t type, int64_t K, const at::Tensor& ids) {
+  const at::Tensor w = weight.contiguous();
+  const Parts parts = check_parts({w}, {type}, K);
+  const at::Tensor idx = ids.to(at::kLong).contiguous().view(-1);
+  const int64_t T = idx.numel();
+  const int64_t* id = idx.data_ptr<int64_t>();
+  for (int64_t t = 0; t < T; ++t) {
+    TORCH_CHECK(id[t] >= 0 && id[t] < parts.N, "gguf_rows: row ", id[t], " is outside [0, ", parts.N, ")");
+  }
+  at::Tensor out = at::empty({T, K}, w.options().dtype(at::kFloat));  // [T, K]
+  dequantize_rows(parts, K, 0, T, out, id);
   return out;
 }
 
@@ -1885,6 +1903,7 @@ at::Tensor gguf_linear_registered(const at::Tensor& x, int64_t key, const std::o
 TORCH_LIBRARY_FRAGMENT(srt_lite_cpu, m) {
   m.def("gguf_linear(Tensor x, Tensor[] weights, int[] types, Tensor? bias, int dot_rows, bool mm_bf16) -> Tensor");
   m.def("gguf_dequantize(Tensor weight, int type, int K) -> Tensor");
+  m.def("gguf_rows(Tensor weight, int type, int K, Tensor ids) -> Tensor");
   m.def("gguf_repack(Tensor weight, int type, int K) -> Tensor");
   m.def("register_gguf_weight(Tensor[] parts, int[] types, int dot_rows, bool mm_bf16) -> int");
   m.def("release_gguf_weight(int key) -> ()");
@@ -1896,6 +1915,7 @@ TORCH_LIBRARY_FRAGMENT(srt_lite_cpu, m) {
 TORCH_LIBRARY_IMPL(srt_lite_cpu, CPU, m) {
   m.impl("gguf_linear", &gguf_linear);
   m.impl("gguf_dequantize", &gguf_dequantize);
+  m.impl("gguf_rows", &gguf_rows);
   m.impl("gguf_repack", &gguf_repack);
   m.impl("gguf_linear_registered", &gguf_linear_registered);
 }

@@ -129,6 +129,27 @@ def test_packed_groups_keep_every_bit(name):
 
 
 @pytest.mark.skipif(not cpu_kernels.load(), reason="the C++ ops do not build here")
+@pytest.mark.parametrize("name", PACKED_TYPES)
+def test_a_tied_embedding_looks_up_rows_in_its_packed_copy(name):
+    """An embedding tied to the head reads its rows from the packed copy (the file's pages of
+    it stay unmapped), with the same values as the file's blocks; a row outside the table is
+    an error, not a read past it."""
+    t = gguf_types.BY_NAME[name]
+    k = 512
+    raw = gguf_types.random_blocks(t, 48, k, torch.Generator().manual_seed(11))
+    table = GGUFWeight([(t, raw)], k, pack=True)
+    ids = torch.tensor([47, 0, 16, 5, 5, 31])
+    want = torch.ops.srt_lite_cpu.gguf_dequantize(raw, t.id, k)[ids]
+    assert torch.equal(torch.ops.srt_lite_cpu.gguf_rows(raw, t.id, k, ids), want)
+    if _packs(name):
+        assert table.kernel_ids[0] == t.id + PACKED_ID
+        raw.zero_()  # the lookup must not read the file's blocks any more
+    assert torch.equal(table.lookup(ids, torch.float32), want)
+    with pytest.raises(RuntimeError, match="outside"):
+        torch.ops.srt_lite_cpu.gguf_rows(table.kernel_parts[0], table.kernel_ids[0], k, torch.tensor([48]))
+
+
+@pytest.mark.skipif(not cpu_kernels.load(), reason="the C++ ops do not build here")
 def test_packed_copies_lie_back_to_back_on_2mib_arenas():
     """Packed copies share 2 MiB-aligned arenas, each starting on the cache line after the
     last (a copy of its own would start just past a 2 MiB boundary, its head and tail on small

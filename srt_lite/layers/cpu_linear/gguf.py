@@ -130,7 +130,13 @@ class GGUFWeight:
         return torch.cat([dequantize(raw, t, self.cols) for t, raw in zip(self.types, self.raws)])
 
     def lookup(self, ids: torch.Tensor, dtype: torch.dtype) -> torch.Tensor:
-        """Rows `ids` dequantized, [T] -> [T, cols] (an embedding held in blocks; one part)."""
+        """Rows `ids` dequantized, [T] -> [T, cols] (an embedding held in blocks; one part).
+        A packed table (an embedding tied to the output head) is read from its packed copy:
+        the file's pages of it, dropped after the repack, would otherwise come back a few
+        at a time with the tokens seen (the kernel maps neighbouring pages on each fault)
+        until the table is resident twice. The values are the same either way."""
+        if self.kernel_ids[0] >= PACKED_ID and ids.device.type == "cpu":
+            return torch.ops.srt_lite_cpu.gguf_rows(self.kernel_parts[0], self.kernel_ids[0], self.cols, ids).to(dtype)
         return dequantize(self.raws[0].index_select(0, ids.flatten()), self.types[0], self.cols).to(dtype)
 
 
