@@ -319,7 +319,7 @@ async def run_async(args) -> dict:
         for s in servers.values():
             s.stop()
     out["read_bandwidth_gbs_end"] = read_bandwidth_gbs()
-    bw = max(out["read_bandwidth_gbs_end"], *out["round_probe_gbs"])
+    bw = max(out["read_bandwidth_gbs_end"], *probes)
     out["read_bandwidth_gbs"] = bw
     out["roofline_tok_s"] = bw * 1e9 / tensor_bytes(model_file)
     out["srt_lite_roofline_fraction"] = out["single_tok_s"]["srt_lite"] / out["roofline_tok_s"]

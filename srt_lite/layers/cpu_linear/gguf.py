@@ -131,11 +131,11 @@ class GGUFWeight:
 
     def lookup(self, ids: torch.Tensor, dtype: torch.dtype) -> torch.Tensor:
         """Rows `ids` dequantized, [T] -> [T, cols] (an embedding held in blocks; one part).
-        A packed table (an embedding tied to the output head) is read from its packed copy:
-        the file's pages of it, dropped after the repack, would otherwise come back a few
-        at a time with the tokens seen (the kernel maps neighbouring pages on each fault)
-        until the table is resident twice. The values are the same either way."""
-        if self.kernel_ids[0] >= PACKED_ID and ids.device.type == "cpu":
+        Read from what the products read: for a table tied to the output head that is its
+        packed copy, whose values are the file's. The file's pages of it, dropped after the
+        repack, would otherwise come back a few at a time with the tokens seen (the kernel
+        maps neighbouring pages on each fault) until the table is resident twice."""
+        if cpu_kernels.load() and ids.device.type == "cpu":
             return torch.ops.srt_lite_cpu.gguf_rows(self.kernel_parts[0], self.kernel_ids[0], self.cols, ids).to(dtype)
         return dequantize(self.raws[0].index_select(0, ids.flatten()), self.types[0], self.cols).to(dtype)
 
