@@ -1,7 +1,7 @@
 """The starlette app on its own, over a TokenizerManager with no scheduler behind it: the
 answers that never reach the scheduler (health, models, every error path) in the OpenAI
-error format. The served endpoints are tested end to end in test_server.py and
-test_openai_api.py."""
+error format; and, with a stand-in scheduler, how the endpoints ask it for tokens. The served
+endpoints are tested end to end in test_server.py and test_openai_api.py."""
 
 from __future__ import annotations
 
@@ -10,6 +10,7 @@ import shutil
 import pytest
 from starlette.testclient import TestClient
 
+from fake_scheduler import FakeScheduler
 from srt_lite.entrypoints.http_server import build_app
 from srt_lite.entrypoints.server_state import ServerState
 from srt_lite.managers.io_struct import PortArgs, SchedulerReady
@@ -132,3 +133,38 @@ def test_api_key_guards_everything_but_health(make_client):
 def test_metrics_route_exists_only_with_a_collector(make_client):
     client, _ = make_client()
     assert client.get("/metrics").status_code == 404
+
+
+@pytest.mark.parametrize(
+    "path, body",
+    [
+        ("/v1/completions", {"prompt": "Hi", "max_tokens": 3}),
+        ("/v1/chat/completions", {"messages": [{"role": "user", "content": "Hi"}], "max_tokens": 3}),
+        ("/v1/messages", {"messages": [{"role": "user", "content": "Hi"}], "max_tokens": 3}),
+        ("/v1/responses", {"input": "Hi", "max_output_tokens": 3}),
+    ],
+)
+def test_only_a_streamed_request_has_the_scheduler_send_every_token(make_client, path, body):
+    """A collected response asks the scheduler for the request's tokens once, at its end:
+    a message a step would cost the decode loop and wake the detokenizer for nothing."""
+    client, state = make_client()
+
+    async def start() -> FakeScheduler:
+        return FakeScheduler(state.tm.port_args)
+
+    scheduler = client.portal.call(start)
+    task = client.portal.start_task_soon(scheduler.run)
+    try:
+        collected = client.post(path, json={"model": MODEL_NAME, **body, "stream": False})
+        assert collected.status_code == 200, collected.text
+        assert "xxx" in collected.text  # the stand-in's three tokens, whole
+        streamed = client.post(path, json={"model": MODEL_NAME, **body, "stream": True})
+        assert streamed.status_code == 200, streamed.text
+        assert [r.stream for r in scheduler.requests] == [False, True]
+    finally:
+        task.cancel()
+        client.portal.call(_close_soon, scheduler)
+
+
+async def _close_soon(scheduler: FakeScheduler) -> None:
+    scheduler.close()

@@ -95,7 +95,7 @@ class AnthropicServingMessages:
         req = MessagesRequest.model_validate(body)
         run = self.chat.plan(to_chat(req))
         message = MessageBuilder(self.state.served_model_name, req, run)
-        choices = self.chat.start(run)
+        choices = self.chat.start(run, bool(req.stream))
         return await self.chat.respond(
             request, req.stream, choices, lambda first: message.stream(first, choices), lambda: message.collect(choices)
         )

@@ -91,15 +91,19 @@ class OpenAIServingBase:
         prompts: list[list[int]],
         params: SamplingParams,
         logprobs: LogprobOptions,
+        stream: bool,
         rid: str | None = None,
         reasoning: str | None = None,
     ) -> AsyncIterator[tuple[int, dict]]:
-        """The n choices of every prompt as one stream of (choice index, incremental chunk);
-        choice j * n + i is sample i of prompt j. A client rid names the only choice, or
-        choice k as rid-k. Closing the stream early (client gone) aborts every choice.
-        `reasoning`: where a grammar starts (TokenizedGenerateReqInput.reasoning)."""
+        """The n choices of every prompt as one stream of (choice index, chunk); choice
+        j * n + i is sample i of prompt j. With `stream` a choice's chunks are its increments;
+        without, it yields once, its whole result: the scheduler then sends a request's tokens
+        once, when it ends, instead of every step (a message a token costs the decode loop
+        and wakes the detokenizer, on the cores the forward runs on). A client rid names the
+        only choice, or choice k as rid-k. Closing the stream early (client gone) aborts every
+        choice. `reasoning`: where a grammar starts (TokenizedGenerateReqInput.reasoning)."""
         rids = numbered_rids(rid, len(prompts) * params.n)
-        return self.tm.generate_choices(prompts, [params] * len(prompts), logprobs, rids, stream=True, reasoning=reasoning)
+        return self.tm.generate_choices(prompts, [params] * len(prompts), logprobs, rids, stream=stream, reasoning=reasoning)
 
 
 async def collect_one(choices: AsyncIterator[tuple[int, dict]]) -> tuple[str, dict]:

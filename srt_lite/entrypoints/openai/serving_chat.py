@@ -103,14 +103,15 @@ class OpenAIServingChat(OpenAIServingBase):
             grammar_after = "forced" if force or reasoning_parser == "deepseek-r1" else "optional"
         return ChatRun(input_ids, params, logprobs, new_output, grammar_after, reasoning_parser is not None)
 
-    def start(self, run: "ChatRun", rid: str | None = None) -> AsyncIterator[tuple[int, dict]]:
-        """The run's choices as one stream of (choice index, incremental chunk)."""
-        return self.run_choices([run.input_ids], run.params, run.logprobs, rid=rid, reasoning=run.grammar_after)
+    def start(self, run: "ChatRun", stream: bool, rid: str | None = None) -> AsyncIterator[tuple[int, dict]]:
+        """The run's choices as one stream of (choice index, chunk): increments with `stream`,
+        else each choice's whole result once (run_choices)."""
+        return self.run_choices([run.input_ids], run.params, run.logprobs, stream, rid=rid, reasoning=run.grammar_after)
 
     async def create(self, request: Request, body: Any) -> Response:
         req = ChatCompletionRequest.model_validate(body)
         run = self.plan(req)
-        choices = self.start(run, req.rid)
+        choices = self.start(run, bool(req.stream), req.rid)
         meta_id = random_id("chatcmpl")
         return await self.respond(
             request, req.stream, choices,

@@ -79,7 +79,7 @@ class OpenAIServingCompletion(OpenAIServingBase):
             top_logprobs_num=req.logprobs or 0,
             logprob_start_len=0 if (want_lp and req.echo) else -1,
         )
-        choices = self.run_choices(prompts, params, logprobs, rid=req.rid)
+        choices = self.run_choices(prompts, params, logprobs, bool(req.stream), rid=req.rid)
         meta_id = random_id("cmpl")
         echo_texts = [self.tm.tokenizer.decode(ids) for ids in prompts] if req.echo else None
         return await self.respond(

@@ -102,7 +102,7 @@ class OpenAIServingResponses:
         chat_req, conversation = to_chat(req, history, items)
         run = self.chat.plan(chat_req)
         turn = Turn(self, req, run, items, conversation)
-        choices = self.chat.start(run)
+        choices = self.chat.start(run, bool(req.stream))
         return await self.chat.respond(
             request, req.stream, choices, lambda first: turn.stream(first, choices), lambda: turn.collect(choices)
         )
