@@ -4,7 +4,8 @@ torch.utils.cpp_extension compiles them with the machine's C++ compiler (the one
 C++ wrapper uses) into the srt_lite cache, once per machine and torch version, and
 registers `torch.ops.srt_lite_cpu.*`: the attention backend's cascade step and prompt
 attention, the compiled graph's packed linear, the linears' panel products (AVX-512 and
-AMX), and a decoder layer's elementwise ops (RMSNorm, RoPE, SiLU-and-mul).
+AMX), a decoder layer's elementwise ops (RMSNorm, RoPE, SiLU-and-mul), the GGUF products and
+the sampler's greedy pick.
 Without a compiler, or with SRT_LITE_DISABLE_CPU_KERNELS=1, `load()` returns False and the
 callers keep their torch ops.
 """
@@ -27,7 +28,8 @@ logger = logging.getLogger(__name__)
 _CSRC = os.path.join(os.path.dirname(__file__), "csrc")
 SOURCES = [os.path.join(_CSRC, name) for name in ("cpu_attention.cpp", "cpu_prompt_attention.cpp", "cpu_linear.cpp",
                                                   "cpu_amx_linear.cpp", "cpu_int4_linear.cpp", "cpu_prefix_attention.cpp",
-                                                  "cpu_norm_rope.cpp", "cpu_decoder.cpp", "cpu_gguf_linear.cpp")]
+                                                  "cpu_norm_rope.cpp", "cpu_decoder.cpp", "cpu_gguf_linear.cpp",
+                                                  "cpu_sampling.cpp")]
 # Headers the sources include: not compiled on their own, but part of the build's identity.
 HEADERS = [os.path.join(_CSRC, name) for name in ("cpu_amx.h", "cpu_attention_common.h", "cpu_int4.h",
                                                   "cpu_prefix_attention.h")]

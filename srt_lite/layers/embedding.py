@@ -104,7 +104,7 @@ class VocabParallelEmbedding(nn.Module):
     def compute_logits(self, hidden: torch.Tensor) -> torch.Tensor:
         """[tokens, hidden] -> [tokens, vocab] float32 logits."""
         if self.gguf is not None:
-            logits = self.gguf.forward(hidden).float()
+            logits = self.gguf.forward(hidden, fp32_out=True)
         elif self.gemv and hidden.shape[0] == 1 and cpu_kernels.eager_cpu(hidden):
             logits = torch.ops.srt_lite_cpu.bf16_gemv(hidden, self.weight).float()
         elif self.panels is not None:

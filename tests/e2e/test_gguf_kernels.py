@@ -107,9 +107,14 @@ def test_bf16_products_are_the_fp32_sums_rounded(name):
     for rows in (1, 5, DOT_ROWS):
         x = torch.randn(rows, k, generator=g).bfloat16()
         for b in (None, bias):
-            want = weight.forward(x.float(), None if b is None else b.float()).bfloat16()
+            fp32 = weight.forward(x.float(), None if b is None else b.float())
             got = weight.forward(x, b)
-            assert got.dtype == torch.bfloat16 and torch.equal(got, want), (rows, b is None)
+            assert got.dtype == torch.bfloat16 and torch.equal(got, fp32.bfloat16()), (rows, b is None)
+            # The logits (fp32_out): the same sums before that rounding.
+            assert torch.equal(weight.forward(x, b, fp32_out=True), fp32), (rows, b is None)
+    x = torch.randn(DOT_ROWS + 1, k, generator=g).bfloat16()  # a prompt's rows on the slabs, where not packed
+    got = weight.forward(x, fp32_out=True)
+    assert got.dtype == torch.float32 and torch.allclose(got, weight.forward(x).float(), rtol=1e-2, atol=1e-2)
 
 
 @pytest.mark.skipif(not cpu_kernels.load(), reason="the C++ ops do not build here")

@@ -4,8 +4,10 @@ from __future__ import annotations
 
 import math
 
+import pytest
 import torch
 
+from srt_lite import cpu_kernels
 from srt_lite.req import Req
 from srt_lite.sampling.penalties import apply_penalties
 from srt_lite.sampling.sampler import (
@@ -141,20 +143,37 @@ def test_penalty_counts_are_incremental_and_follow_filter_merge():
     assert info.logit_bias is None
 
 
-def test_greedy_argmax_equals_argmax_with_ties_and_a_short_last_block():
+@pytest.mark.parametrize("with_ops", [True, False], ids=["cpp-op", "torch-blocks"])
+def test_greedy_argmax_equals_argmax_with_ties_and_a_short_last_block(with_ops, monkeypatch):
+    if with_ops:
+        assert cpu_kernels.load(), "the C++ ops did not build"
+    else:
+        monkeypatch.setattr(cpu_kernels, "eager_cpu", lambda x: False)
     g = torch.Generator().manual_seed(0)
-    for rows, vocab in [(1, 49152), (7, 5000), (33, 49152), (4, ARGMAX_BLOCK * 4 + 1)]:
+    for rows, vocab in [(1, 49152), (7, 5000), (33, 49152), (4, ARGMAX_BLOCK * 4 + 1), (2, 1), (3, 17), (2, 128256)]:
         # bf16-rounded values: many exact ties between blocks and within one.
         x = torch.randn(rows, vocab, generator=g).bfloat16().float()
         assert torch.equal(greedy_argmax(x), x.argmax(-1))
-    x = torch.zeros(6, 5000)
+        x = torch.randint(0, 3, (rows, vocab), generator=g).float()  # ties everywhere
+        assert torch.equal(greedy_argmax(x), x.argmax(-1))
+    x = torch.zeros(7, 5000)
     x[1, [10, 3000]] = 1.0  # tie across blocks: the first
     x[2, 4999] = 2.0  # in the short last block, at its last column
     x[3, [ARGMAX_BLOCK - 1, ARGMAX_BLOCK]] = 7.0  # tie at a block boundary
     x[4] = float("-inf")
     x[5, 4100:] = 3.0  # a tie filling the short last block
-    assert greedy_argmax(x).tolist() == x.argmax(-1).tolist() == [0, 10, 4999, ARGMAX_BLOCK - 1, 0, 4100]
+    x[6, 4000] = float("inf")
+    assert greedy_argmax(x).tolist() == x.argmax(-1).tolist() == [0, 10, 4999, ARGMAX_BLOCK - 1, 0, 4100, 4000]
     assert greedy_argmax(x[:, ::2]).tolist() == x[:, ::2].argmax(-1).tolist()  # strided: plain argmax
+
+
+def test_the_cpp_greedy_pick_takes_the_first_nan_as_argmax_does():
+    assert cpu_kernels.load(), "the C++ ops did not build"
+    x = torch.randn(3, 70000, generator=torch.Generator().manual_seed(1))
+    x[0, [9, 40000]] = float("nan")  # two NaN: the first, in the first block
+    x[1, 65000] = float("nan")  # a NaN after the row's maximum
+    x[1, 3] = 100.0
+    assert greedy_argmax(x).tolist() == x.argmax(-1).tolist() == [9, 65000, int(x[2].argmax())]
 
 
 def test_logit_bias_forces_and_forbids_without_touching_others():

@@ -109,21 +109,26 @@ class GGUFWeight:
         """Bytes the products read (a packed part is its blocks plus unpacked scales)."""
         return sum(part.numel() for part in self.kernel_parts)
 
-    def forward(self, x: torch.Tensor, bias: torch.Tensor | None = None) -> torch.Tensor:
-        """x [n, cols] -> [n, rows] in x's dtype."""
+    def forward(self, x: torch.Tensor, bias: torch.Tensor | None = None, fp32_out: bool = False) -> torch.Tensor:
+        """x [n, cols] -> [n, rows] in x's dtype, or in fp32 with `fp32_out` (the logits)."""
+        out_dtype = torch.float32 if fp32_out else x.dtype
         if cpu_kernels.load() and x.device.type == "cpu":
             xin = x if x.dtype in (torch.float32, torch.bfloat16) else x.float()
+            rows = dot_rows(self.all_packed)
+            if fp32_out and x.shape[0] <= rows:
+                # The integer products quantize x whatever its dtype (bf16 widens exactly), and
+                # write their fp32 sums in x's dtype: given fp32, the logits skip a bf16 rounding.
+                xin = xin.float()
             mm_bf16 = xin.dtype == torch.bfloat16 and _mm_bf16()
-            y = torch.ops.srt_lite_cpu.gguf_linear(xin, self.kernel_parts, self.kernel_ids, bias,
-                                                   dot_rows(self.all_packed), mm_bf16)
-            return y.to(x.dtype)
+            y = torch.ops.srt_lite_cpu.gguf_linear(xin, self.kernel_parts, self.kernel_ids, bias, rows, mm_bf16)
+            return y.to(out_dtype)
         outs = []
         for t, raw in zip(self.types, self.raws):
             for r0 in range(0, raw.shape[0], _SLAB_ROWS):
                 w = dequantize(raw[r0 : r0 + _SLAB_ROWS], t, self.cols).to(x.dtype)  # [slab, cols]
                 outs.append(F.linear(x, w))
         y = torch.cat(outs, dim=-1)
-        return y if bias is None else y + bias
+        return (y if bias is None else y + bias).to(out_dtype)
 
     def dequantized(self) -> torch.Tensor:
         """float32 [rows, cols] (for tests and checks)."""
