@@ -3,6 +3,8 @@
 
 Order: raw logprobs (if asked) -> float32 -> logit_bias, min_new_tokens bans -> penalties ->
 greedy or temperature -> min_p -> top-k / top-p (one sort) -> exponential race argmax(p / q).
+On the CPU with the C++ ops the sampled rows take one op (srt_lite_cpu::sample_rows) for the
+same filters, drawing by the inverse of the kept mass with one uniform a row.
 """
 
 from __future__ import annotations
@@ -60,6 +62,8 @@ class Sampler:
         return out
 
     def _sample(self, logits: torch.Tensor, info: SamplingBatchInfo) -> torch.Tensor:
+        if logits.dtype == torch.float32 and logits.stride(-1) == 1 and cpu_kernels.eager_cpu(logits):
+            return self._sample_cpp(logits, info)
         greedy_ids = greedy_argmax(logits)
         probs = torch.softmax(logits / info.temperatures, dim=-1)
         if info.need_min_p:
@@ -89,6 +93,28 @@ class Sampler:
                 full_rows = sampled[unfiltered[sampled]]
         if full_rows.numel():
             next_ids[full_rows] = self._race(probs[full_rows], full_rows, info)
+        return next_ids
+
+    def _sample_cpp(self, logits: torch.Tensor, info: SamplingBatchInfo) -> torch.Tensor:
+        """The sampled rows in one C++ call (srt_lite_cpu::sample_rows: the same filters, then
+        one uniform a row picks by the kept tokens' cumulative mass), the greedy ones by
+        greedy_argmax. Seeded rows draw their uniform from their own generator, one a step,
+        so their tokens never depend on the rest of the batch."""
+        sampled = (~info.is_greedy).nonzero().squeeze(1)  # [R]
+        R = sampled.numel()
+        if R == 0:
+            return greedy_argmax(logits)
+        u = torch.rand(R, generator=self.generator, dtype=torch.float64)  # [R]
+        if info.has_seeded:
+            for j, row in enumerate(sampled.tolist()):
+                gen = info.generators[row]
+                if gen is not None:
+                    u[j] = torch.rand(1, generator=gen, dtype=torch.float64)
+        fields = (info.temperatures[:, 0], info.top_ks, info.top_ps, info.min_ps)
+        if R == logits.shape[0]:  # every row sampled: no gathers, no greedy pass
+            return torch.ops.srt_lite_cpu.sample_rows(logits, *fields, u)
+        next_ids = greedy_argmax(logits)
+        next_ids[sampled] = torch.ops.srt_lite_cpu.sample_rows(logits[sampled], *(f[sampled] for f in fields), u)
         return next_ids
 
     def _race(self, probs: torch.Tensor, rows: torch.Tensor, info: SamplingBatchInfo) -> torch.Tensor:

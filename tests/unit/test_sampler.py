@@ -94,7 +94,53 @@ def test_exponential_race_matches_probabilities():
     assert (freq - p).abs().max().item() < 0.01
 
 
-def test_sampler_uses_probabilities_through_the_full_path():
+@pytest.fixture(params=["cpp-op", "torch-race"])
+def sampling_path(request, monkeypatch) -> str:
+    """Each sampler test on both ways of drawing: the C++ op, and the torch ops (GPUs, or a
+    CPU without the C++ ops)."""
+    if request.param == "cpp-op":
+        assert cpu_kernels.load(), "the C++ ops did not build"
+    else:
+        monkeypatch.setattr(cpu_kernels, "eager_cpu", lambda x: False)
+    return request.param
+
+
+def filtered_reference(x: torch.Tensor, temperature: float, top_k: int, top_p: float, min_p: float) -> torch.Tensor:
+    """One row's sampling distribution, step by step: softmax(x / T), min-p, top-k / top-p."""
+    p = torch.softmax(x.double() / temperature, -1)
+    p = torch.where(p < min_p * p.max(), 0.0, p)
+    p = reference_top_k_top_p_row(p, top_k, top_p)
+    return p / p.sum()
+
+
+@pytest.mark.parametrize(
+    "temperature, top_k, top_p, min_p",
+    [(1.0, 0, 1.0, 0.0), (0.5, 10, 1.0, 0.0), (1.3, 0, 0.8, 0.0), (0.8, 50, 0.6, 0.0), (1.0, 0, 1.0, 0.1),
+     (2.0, 0, 0.9, 0.02), (1.0, 100, 1.0, 0.0), (1.0, 0, 0.9, 0.0)],
+)
+def test_cpp_sampling_draws_each_kept_token_by_its_filtered_probability(temperature, top_k, top_p, min_p):
+    """With u on an even grid, the inverse of the kept mass gives each token a share of the
+    grid equal to its probability (within a grid step): exact, not statistical. The last two
+    rows have a peak and a long tail below the op's first gathering threshold, so that the
+    top-k set and the nucleus are only found on a lower one."""
+    assert cpu_kernels.load(), "the C++ ops did not build"
+    vocab, n = 5000, 20_000
+    x = torch.randn(vocab, generator=torch.Generator().manual_seed(3)) * 2
+    if top_k == 100 or (top_p == 0.9 and temperature == 1.0):
+        x = torch.full((vocab,), -8.0)  # e^-8 of the peak each: below 2^-10, 1.3x its mass together
+        x[17] = 0.0
+    want = filtered_reference(x, temperature, top_k or vocab, top_p, min_p)
+    u = (torch.arange(n, dtype=torch.float64) + 0.5) / n
+    ids = torch.ops.srt_lite_cpu.sample_rows(
+        x[None].expand(n, vocab), torch.full((n,), temperature), torch.full((n,), top_k or vocab, dtype=torch.int64),
+        torch.full((n,), top_p), torch.full((n,), min_p), u,
+    )
+    freq = torch.bincount(ids, minlength=vocab).double() / n
+    assert set(ids.unique().tolist()) <= set(want.nonzero().flatten().tolist())
+    assert (freq - want).abs().max().item() <= 1.5 / n
+
+
+def test_sampler_uses_probabilities_through_the_full_path(sampling_path):
     """Temperature 1, no filters: token frequencies over many rows follow softmax(logits)."""
     logits = torch.tensor([2.0, 1.0, 0.0, -1.0]).expand(50_000, -1).contiguous()
     reqs = [make_req(i, temperature=1.0) for i in range(1)]
@@ -204,7 +250,7 @@ def test_min_new_tokens_bans_eos_until_reached():
     assert sampler(logits, info).next_ids.item() == 2
 
 
-def test_seeded_rows_do_not_depend_on_batch_neighbours():
+def test_seeded_rows_do_not_depend_on_batch_neighbours(sampling_path):
     g = torch.Generator().manual_seed(5)
     logits = torch.randn(4, V, generator=g)
 
@@ -221,7 +267,7 @@ def test_seeded_rows_do_not_depend_on_batch_neighbours():
     assert together == alone[0]
 
 
-def test_a_chunk_short_of_the_prompt_end_draws_no_seeded_noise():
+def test_a_chunk_short_of_the_prompt_end_draws_no_seeded_noise(sampling_path):
     """The token sampled after a partial prompt chunk is dropped; a seeded request's own
     generator must not advance for it, or its output would depend on the chunking."""
     logits = torch.randn(2, V, generator=torch.Generator().manual_seed(6))
@@ -250,7 +296,7 @@ def test_greedy_top1_logprob_is_the_sampled_token():
     assert len(out.logprobs[1][1]) == 2 and out.logprobs[1][2] is None
 
 
-def test_min_p_drops_unlikely_tokens():
+def test_min_p_drops_unlikely_tokens(sampling_path):
     logits = torch.log(torch.tensor([[0.5, 0.3, 0.15, 0.05]])).expand(20_000, -1).contiguous()
     reqs = [make_req(0, temperature=1.0, min_p=0.2)] * 20_000
     info = SamplingBatchInfo.from_reqs(reqs, 4, "cpu", set())
