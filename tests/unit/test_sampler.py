@@ -113,6 +113,7 @@ def filtered_reference(x: torch.Tensor, temperature: float, top_k: int, top_p: f
     return p / p.sum()
 
 
+@pytest.mark.cpu_caps  # the C++ ops at this CPU's vector width, and again at AVX2's
 @pytest.mark.parametrize(
     "temperature, top_k, top_p, min_p",
     [(1.0, 0, 1.0, 0.0), (0.5, 10, 1.0, 0.0), (1.3, 0, 0.8, 0.0), (0.8, 50, 0.6, 0.0), (1.0, 0, 1.0, 0.1),
@@ -140,6 +141,7 @@ def test_cpp_sampling_draws_each_kept_token_by_its_filtered_probability(temperat
     assert (freq - want).abs().max().item() <= 1.5 / n
 
 
+@pytest.mark.cpu_caps  # the C++ ops at this CPU's vector width, and again at AVX2's
 def test_sampler_uses_probabilities_through_the_full_path(sampling_path):
     """Temperature 1, no filters: token frequencies over many rows follow softmax(logits)."""
     logits = torch.tensor([2.0, 1.0, 0.0, -1.0]).expand(50_000, -1).contiguous()
@@ -189,6 +191,7 @@ def test_penalty_counts_are_incremental_and_follow_filter_merge():
     assert info.logit_bias is None
 
 
+@pytest.mark.cpu_caps  # the C++ ops at this CPU's vector width, and again at AVX2's
 @pytest.mark.parametrize("with_ops", [True, False], ids=["cpp-op", "torch-blocks"])
 def test_greedy_argmax_equals_argmax_with_ties_and_a_short_last_block(with_ops, monkeypatch):
     if with_ops:
@@ -213,6 +216,7 @@ def test_greedy_argmax_equals_argmax_with_ties_and_a_short_last_block(with_ops, 
     assert greedy_argmax(x[:, ::2]).tolist() == x[:, ::2].argmax(-1).tolist()  # strided: plain argmax
 
 
+@pytest.mark.cpu_caps  # the C++ ops at this CPU's vector width, and again at AVX2's
 def test_the_cpp_greedy_pick_takes_the_first_nan_as_argmax_does():
     assert cpu_kernels.load(), "the C++ ops did not build"
     x = torch.randn(3, 70000, generator=torch.Generator().manual_seed(1))
@@ -250,6 +254,7 @@ def test_min_new_tokens_bans_eos_until_reached():
     assert sampler(logits, info).next_ids.item() == 2
 
 
+@pytest.mark.cpu_caps  # the C++ ops at this CPU's vector width, and again at AVX2's
 def test_seeded_rows_do_not_depend_on_batch_neighbours(sampling_path):
     g = torch.Generator().manual_seed(5)
     logits = torch.randn(4, V, generator=g)
@@ -296,6 +301,7 @@ def test_greedy_top1_logprob_is_the_sampled_token():
     assert len(out.logprobs[1][1]) == 2 and out.logprobs[1][2] is None
 
 
+@pytest.mark.cpu_caps  # the C++ ops at this CPU's vector width, and again at AVX2's
 def test_min_p_drops_unlikely_tokens(sampling_path):
     logits = torch.log(torch.tensor([[0.5, 0.3, 0.15, 0.05]])).expand(20_000, -1).contiguous()
     reqs = [make_req(0, temperature=1.0, min_p=0.2)] * 20_000
