@@ -152,6 +152,12 @@ def _cpp_cascade(fb: "ForwardBatch", choice: GroupChoice, slots: RowSlots) -> Cp
     rows, shared = choice.rows, choice.shared
     ext = [fb.extend_seq_lens_cpu[b] for b in rows]
     seq_lens = [fb.extend_prefix_lens_cpu[b] + e for b, e in zip(rows, ext)]
+    if len(rows) == 1 and not shared:
+        # One row sharing nothing (one stream decoding): its slots are the suffix as they
+        # are, with no padding to mask. A third of the ops below, in every step.
+        suffix = slots.of(rows)[0]  # [L]
+        return CppCascadePlan(SharedPrefix(suffix[:0], None), suffix, torch.tensor([0, ext[0]]),
+                              torch.tensor([0, seq_lens[0]]))
     kv_index, key_valid = _kv_index(slots.of(rows), seq_lens)
     prefix = SharedPrefix.of(kv_index[0, :shared]) if shared else SharedPrefix(kv_index.new_empty(0), None)
     return CppCascadePlan(
