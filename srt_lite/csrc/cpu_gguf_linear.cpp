@@ -173,7 +173,7 @@ inline __m256i load32(const uint8_t* p) { return _mm256_loadu_si256(reinterpret_
 // holds its scales ahead of its codes, but the kernels read the scales of each chunk after
 // its codes, so the block's lines were first touched out of address order. At one row, where
 // the hardware prefetcher alone streams best (no software requests, above), touching the
-// scales' lines at the block's start made the decode step ~1.6% faster (docs/development.md).
+// scales' lines at the block's start made the decode step faster (docs/development.md).
 template <int kLines>
 __attribute__((target("avx512f"))) inline void touch_lines(const uint8_t* p) {
   for (int i = 0; i < kLines; ++i) asm volatile("" : : "v"(_mm512_loadu_si512(p + 64 * i)));

@@ -1,12 +1,12 @@
 // The sampler's per-row work on CPU, one call a step instead of a dozen torch ops.
 // - argmax_rows, the greedy pick: each row's first maximum, as torch.argmax returns it.
-//   torch.argmax over a vocabulary-wide row is a scalar loop (~0.1 ms for 128K logits); this
-//   is one pass over the row plus a scan of one block.
+//   torch.argmax over a vocabulary-wide row is a scalar loop; this is one vectorised pass over
+//   the row plus a scan of one block.
 // - sample_rows: temperature, min-p, top-k and top-p, then one draw. The torch path draws a
 //   noise value for every candidate token (an exponential race) and sorts the top 1024
 //   probabilities; here one uniform per row picks by the inverse of the kept tokens'
-//   cumulative mass, and only the tokens near the top are sorted. ~1 ms -> ~0.1 ms a row of a
-//   128K vocabulary.
+//   cumulative mass, and only the tokens near the top are sorted (docs/development.md has
+//   the timings).
 // Built with the other csrc files into one extension by srt_lite/cpu_kernels.py.
 #include <ATen/ATen.h>
 #include <ATen/Parallel.h>
@@ -71,7 +71,7 @@ at::Tensor argmax_rows(const at::Tensor& logits) {
   const float* x = logits.data_ptr<float>();
   const int64_t stride = logits.stride(0);
   int64_t* ids = out.data_ptr<int64_t>();
-  // One row of a large vocabulary takes tens of microseconds: rows go to threads one by one.
+  // A row of a large vocabulary is worth a thread of its own: rows go to threads one by one.
   at::parallel_for(0, B, 1, [&](int64_t begin, int64_t end) {
     for (int64_t r = begin; r < end; ++r) ids[r] = argmax_row(x + r * stride, V);
   });
