@@ -104,12 +104,7 @@ class Sampler:
         R = sampled.numel()
         if R == 0:
             return greedy_argmax(logits)
-        u = torch.rand(R, generator=self.generator, dtype=torch.float64)  # [R]
-        if info.has_seeded:
-            for j, row in enumerate(sampled.tolist()):
-                gen = info.generators[row]
-                if gen is not None:
-                    u[j] = torch.rand(1, generator=gen, dtype=torch.float64)
+        u = self._uniforms(sampled, 1, info, torch.float64)[:, 0]  # [R]
         fields = (info.temperatures[:, 0], info.top_ks, info.top_ps, info.min_ps)
         if R == logits.shape[0]:  # every row sampled: no gathers, no greedy pass
             return torch.ops.srt_lite_cpu.sample_rows(logits, *fields, u)
@@ -122,14 +117,21 @@ class Sampler:
         q ~ Exp(1) picks column i with probability p_i / sum(p). q = -log(u) is used because
         it is several times faster than Tensor.exponential_ on CPU. Seeded rows draw their q
         from their own generator, so their choice never depends on the rest of the batch."""
-        q = torch.rand(probs.shape, generator=self.generator, device=probs.device)
+        q = self._uniforms(rows, probs.shape[1], info).clamp_(min=1e-30).log_().neg_()
+        return (probs / q).argmax(-1)
+
+    def _uniforms(self, rows: torch.Tensor, n: int, info: SamplingBatchInfo,
+                  dtype: torch.dtype = torch.float32) -> torch.Tensor:
+        """[R, n] uniforms in [0, 1) for batch rows `rows`: from the sampler's generator, a
+        seeded row's from its own (n a step), so its draws never depend on the rest of the
+        batch."""
+        u = torch.rand((rows.numel(), n), generator=self.generator, dtype=dtype, device=self.device)
         if info.has_seeded:
             for j, row in enumerate(rows.tolist()):
                 gen = info.generators[row]
                 if gen is not None:
-                    q[j] = torch.rand(probs.shape[1], generator=gen, device=probs.device)
-        q = q.clamp_(min=1e-30).log_().neg_()
-        return (probs / q).argmax(-1)
+                    u[j] = torch.rand(n, generator=gen, dtype=dtype, device=self.device)
+        return u
 
 
 # greedy_argmax scans the vocabulary in blocks of this many logits.
