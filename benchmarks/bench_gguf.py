@@ -256,11 +256,11 @@ async def complete(client: httpx.AsyncClient, base: str, model: str, prompt: str
     return time.perf_counter() - t0, int(r.json()["usage"]["completion_tokens"])
 
 
-async def single_stream(client: httpx.AsyncClient, base: str, model: str, max_tokens: int) -> dict:
+async def single_stream(client: httpx.AsyncClient, base: str, model: str, max_tokens: int, prompt: str) -> dict:
     """Decode tok/s of one stream: a max_tokens completion less a one-token one of the same
     (cached) prompt, so the prompt's prefill cancels out."""
-    t1, _ = await complete(client, base, model, PROMPT, 1)
-    tn, n = await complete(client, base, model, PROMPT, max_tokens)
+    t1, _ = await complete(client, base, model, prompt, 1)
+    tn, n = await complete(client, base, model, prompt, max_tokens)
     return {"rate": (n - 1) / max(tn - t1, 1e-9), "tokens": n, "ttft": t1}
 
 
@@ -299,7 +299,7 @@ async def run_async(args) -> dict:
                 order = list(servers) if rnd % 2 == 0 else list(servers)[::-1]
                 for n in order:
                     s = servers[n]
-                    single[n].append(await single_stream(client, s.base, names[n], 64))
+                    single[n].append(await single_stream(client, s.base, names[n], 64, args.prompt))
                     prefill[n].append((await complete(client, s.base, names[n], f"{rnd + 1} {long_prompt}", 1))[0])
                 for streams in many:  # in every round, so that the host's drift meets them as it meets one stream
                     many[streams].append(await concurrent_streams(client, srt.base, names["srt_lite"], streams, rnd))
@@ -334,6 +334,8 @@ def main() -> None:
     r = sub.add_parser("run")
     r.add_argument("file")
     r.add_argument("--rounds", type=int, default=8)
+    r.add_argument("--prompt", default=PROMPT, help="the one-stream prompt; a real model's file needs one it continues "
+                   "for 64 tokens rather than ending (e.g. the opening of a story)")
     r.add_argument("--port", type=int, default=30300)
     args = p.parse_args()
     if args.cmd == "make":

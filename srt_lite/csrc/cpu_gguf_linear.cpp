@@ -971,6 +971,11 @@ void dot_rows(int64_t type, const uint8_t* row, int64_t K, const QuantizedX& xq,
 //         byte t of row r is the file's qh[32n + 4j + t], ql[64n + 4j + t], ql[64n + 32 + 4j + t]
 //         (the three a kernel step reads, side by side so that the block is read in order).
 //   Q8_0: d fp16 [16] | codes + 128 as u8 [8][16][4] (weight 4j + t of the block).
+//   Q4_0, Q4_1, Q5_0, Q5_1 (32 weights a block): d fp16 [16] | Q4_1 / Q5_1: m fp16 [16] |
+//         Q5_0 / Q5_1: fifth bits u32 [16] | qs [4][16][4]: byte t of group j of row r is the
+//         file's qs[4j + t] (low nibble weight 4j + t, high nibble 16 + 4j + t). A row's fifth
+//         bits are reordered so that one shift puts a step's at bit 4 of its code bytes: bit
+//         8t + j is weight 4j + t's, bit 8t + 4 + j weight 16 + 4j + t's.
 constexpr int64_t kPacked = 256;
 constexpr int64_t kGroup = 16;
 constexpr int kPackedRowTile = 4;  // rows of x a pass over a packed group keeps in registers
@@ -999,8 +1004,39 @@ int64_t packed_group_bytes(int64_t type) {  // one block of 16 rows
     case kQ5_K: return kQ5kGroupBytes;
     case kQ6_K: return 3360;
     case kQ8_0: return 544;
+    case kQ4_0: case kQ4_1: case kQ5_0: case kQ5_1: return kGroup * type_info(type).bytes;
     default: return 0;
   }
+}
+
+// The small 4- and 5-bit types: whether a block has a minimum (Q4_1, Q5_1) and fifth bits (Q5_0,
+// Q5_1), and where a packed block's fields start.
+constexpr bool small_has_min(int64_t type) { return type == kQ4_1 || type == kQ5_1; }
+constexpr bool small_has_fifth(int64_t type) { return type == kQ5_0 || type == kQ5_1; }
+constexpr int64_t small_fifth_at(bool has_min) { return has_min ? 64 : 32; }
+constexpr int64_t small_codes_at(bool has_min, bool fifth) { return small_fifth_at(has_min) + (fifth ? 64 : 0); }
+inline bool is_small_type(int64_t type) { return type == kQ4_0 || type == kQ4_1 || type == kQ5_0 || type == kQ5_1; }
+
+// A file block's 32 fifth bits (bit l: weight l) in the packed order (see above), and back.
+inline uint32_t fifth_bits_packed(uint32_t qh) {
+  uint32_t out = 0;
+  for (int j = 0; j < 4; ++j) {
+    for (int t = 0; t < 4; ++t) {
+      out |= ((qh >> (4 * j + t)) & 1u) << (8 * t + j);
+      out |= ((qh >> (16 + 4 * j + t)) & 1u) << (8 * t + 4 + j);
+    }
+  }
+  return out;
+}
+inline uint32_t fifth_bits_file(uint32_t packed) {
+  uint32_t qh = 0;
+  for (int j = 0; j < 4; ++j) {
+    for (int t = 0; t < 4; ++t) {
+      qh |= ((packed >> (8 * t + j)) & 1u) << (4 * j + t);
+      qh |= ((packed >> (8 * t + 4 + j)) & 1u) << (16 + 4 * j + t);
+    }
+  }
+  return qh;
 }
 
 // Offset of group j (4 bytes a row, `per` groups a chunk) of chunk c, row r, in a packed area.
@@ -1017,7 +1053,20 @@ void repack_group(int64_t type, const uint8_t* src, int64_t row_bytes, int64_t K
     uint8_t* out = dst + b * gb;
     for (int64_t r = 0; r < kGroup; ++r) {
       const uint8_t* blk = src + r * row_bytes + b * info.bytes;
-      if (type == kQ8_0) {
+      if (is_small_type(type)) {
+        const bool has_min = small_has_min(type), fifth = small_has_fifth(type);
+        std::memcpy(out + 2 * r, blk, 2);
+        if (has_min) std::memcpy(out + 32 + 2 * r, blk + 2, 2);
+        const uint8_t* qs = blk + (has_min ? 4 : 2);
+        if (fifth) {
+          uint32_t qh;
+          std::memcpy(&qh, qs, 4);
+          qh = fifth_bits_packed(qh);
+          std::memcpy(out + small_fifth_at(has_min) + 4 * r, &qh, 4);
+          qs += 4;
+        }
+        for (int64_t j = 0; j < 4; ++j) std::memcpy(out + small_codes_at(has_min, fifth) + granule(4, 0, j, r), qs + 4 * j, 4);
+      } else if (type == kQ8_0) {
         std::memcpy(out + 2 * r, blk, 2);
         for (int64_t j = 0; j < 8; ++j) {  // codes + 128: each byte's top bit flipped
           uint32_t v;
@@ -1062,7 +1111,20 @@ void unpack_row(int64_t type, const uint8_t* group, int64_t K, int64_t r, uint8_
   for (int64_t b = 0; b < K / info.unit; ++b) {
     const uint8_t* in = group + b * gb;
     uint8_t* blk = row + b * info.bytes;
-    if (type == kQ8_0) {
+    if (is_small_type(type)) {
+      const bool has_min = small_has_min(type), fifth = small_has_fifth(type);
+      std::memcpy(blk, in + 2 * r, 2);
+      if (has_min) std::memcpy(blk + 2, in + 32 + 2 * r, 2);
+      uint8_t* qs = blk + (has_min ? 4 : 2);
+      if (fifth) {
+        uint32_t packed;
+        std::memcpy(&packed, in + small_fifth_at(has_min) + 4 * r, 4);
+        const uint32_t qh = fifth_bits_file(packed);
+        std::memcpy(qs, &qh, 4);
+        qs += 4;
+      }
+      for (int64_t j = 0; j < 4; ++j) std::memcpy(qs + 4 * j, in + small_codes_at(has_min, fifth) + granule(4, 0, j, r), 4);
+    } else if (type == kQ8_0) {
       std::memcpy(blk, in + 2 * r, 2);
       for (int64_t e = 0; e < 32; ++e) blk[2 + e] = in[32 + (e / 4 * kGroup + r) * 4 + e % 4] ^ 0x80;
     } else if (type == kQ4_K || type == kQ5_K) {
@@ -1278,12 +1340,71 @@ void packed_q80(const uint8_t* group, int64_t K, const QuantizedX& xq, int64_t m
   for (int m = 0; m < MR; ++m) _mm512_storeu_ps(y + (m0 + m) * ldy, acc[m]);
 }
 
+// Q4_0, Q4_1, Q5_0, Q5_1 against x quantized per 32. Their codes are unsigned (0-15, or 0-31
+// with the fifth bit), as vpdpbusd takes them: Q4_0 / Q5_0 weigh d * (code - 8 or 16), so a
+// block's dot product is d * (dx * sum(code * qx) - 8 or 16 times dx * sum(qx)); Q4_1 / Q5_1
+// weigh d * code + m, so it is d * dx * sum(code * qx) + m * dx * sum(qx).
+template <int MR, bool kMin, bool kFifth>
+__attribute__((target("avx512f,avx512bw,avx512vl,avx512vnni,f16c")))
+void packed_small(const uint8_t* group, int64_t K, const QuantizedX& xq, int64_t m0, float* y, int64_t ldy) {
+  constexpr int64_t kBytes = small_codes_at(kMin, kFifth) + 256, kCodes = small_codes_at(kMin, kFifth);
+  constexpr int64_t kLines = (kBytes + 63) / 64;
+  const __m512i m4 = _mm512_set1_epi8(0xF), fifth = _mm512_set1_epi8(0x10);
+  __m512 acc[MR];
+  for (int m = 0; m < MR; ++m) acc[m] = _mm512_setzero_ps();
+  for (int64_t b = 0; b < K / 32; ++b) {
+    const uint8_t* in = group + b * kBytes;
+    if constexpr (MR > 1) {
+      prefetch_lines<kLines>(in + kQ80PrefetchAhead * kBytes);
+      prefetch_l2<kLines>(in + l2_ahead(kBytes) + kQ80PrefetchAhead * kBytes);
+    }
+    const int8_t* q[MR];
+    __m512i a0[MR], a1[MR];
+    for (int m = 0; m < MR; ++m) {
+      q[m] = xq.q.data() + (m0 + m) * xq.Kp + 32 * b;
+      a0[m] = a1[m] = _mm512_setzero_si512();
+    }
+    const __m512i qh = kFifth ? _mm512_loadu_si512(in + small_fifth_at(kMin)) : _mm512_setzero_si512();
+#pragma GCC unroll 4
+    for (int j = 0; j < 4; ++j) {
+      const __m512i v = _mm512_loadu_si512(in + kCodes + 64 * j);
+      __m512i lo = _mm512_and_si512(v, m4), hi = _mm512_and_si512(_mm512_srli_epi16(v, 4), m4);
+      if constexpr (kFifth) {  // lo | (shifted & 0x10), one op each
+        lo = _mm512_ternarylogic_epi32(lo, _mm512_slli_epi32(qh, 4 - j), fifth, 0xF8);
+        hi = _mm512_ternarylogic_epi32(hi, _mm512_srli_epi32(qh, j), fifth, 0xF8);
+      }
+      for (int m = 0; m < MR; ++m) {
+        a0[m] = _mm512_dpbusd_epi32(a0[m], lo, bcast4(q[m] + 4 * j));
+        a1[m] = _mm512_dpbusd_epi32(a1[m], hi, bcast4(q[m] + 16 + 4 * j));
+      }
+    }
+    const __m512 d = halves16(in);
+    for (int m = 0; m < MR; ++m) {
+      const int64_t base = (m0 + m) * xq.Kp + 32 * b;
+      const float dx = xq.dx4[base / 4], sx = xq.sums[base / 16] + xq.sums[base / 16 + 1];  // sx: dx * sum(qx)
+      const __m512 dot = _mm512_cvtepi32_ps(_mm512_add_epi32(a0[m], a1[m]));
+      if constexpr (kMin) {
+        acc[m] = _mm512_fmadd_ps(_mm512_mul_ps(dot, _mm512_set1_ps(dx)), d, acc[m]);
+        acc[m] = _mm512_fmadd_ps(halves16(in + 32), _mm512_set1_ps(sx), acc[m]);
+      } else {
+        const float off = (kFifth ? 16.f : 8.f) * sx;
+        acc[m] = _mm512_fmadd_ps(_mm512_fmsub_ps(dot, _mm512_set1_ps(dx), _mm512_set1_ps(off)), d, acc[m]);
+      }
+    }
+  }
+  for (int m = 0; m < MR; ++m) _mm512_storeu_ps(y + (m0 + m) * ldy, acc[m]);
+}
+
 template <int MR>
 void packed_tile(int64_t type, const uint8_t* group, int64_t K, const QuantizedX& xq, int64_t m0, float* y, int64_t ldy) {
   switch (type) {
     case kQ4_K: return packed_q4k<MR, false>(group, K, xq, m0, y, ldy);
     case kQ5_K: return packed_q4k<MR, true>(group, K, xq, m0, y, ldy);
     case kQ6_K: return packed_q6k<MR>(group, K, xq, m0, y, ldy);
+    case kQ4_0: return packed_small<MR, false, false>(group, K, xq, m0, y, ldy);
+    case kQ4_1: return packed_small<MR, true, false>(group, K, xq, m0, y, ldy);
+    case kQ5_0: return packed_small<MR, false, true>(group, K, xq, m0, y, ldy);
+    case kQ5_1: return packed_small<MR, true, true>(group, K, xq, m0, y, ldy);
     default: return packed_q80<MR>(group, K, xq, m0, y, ldy);
   }
 }
@@ -1488,6 +1609,54 @@ inline void q80_block(const uint8_t* in, int64_t b, const QuantizedX& xq, int64_
   }
 }
 
+// Block b of rows [m0, m0 + MR) of x (quantized per 32) against both halves of a packed Q4_0,
+// Q4_1, Q5_0 or Q5_1 group (see packed_small), added to acc[0] (outputs 0-7) and acc[1]
+// (8-15). The unsigned codes go into vpmaddubsw as they are; their int16 pair sums add up over
+// the block's 4 steps (at most 8 * 31 * 127, within int16) before one widening a row and half.
+template <int MR, bool kMin, bool kFifth>
+inline void small_block(const uint8_t* in, int64_t b, const QuantizedX& xq, int64_t m0, __m256* acc0, __m256* acc1) {
+  constexpr int64_t kBytes = small_codes_at(kMin, kFifth) + 256, kCodes = small_codes_at(kMin, kFifth);
+  constexpr int64_t kLines = (kBytes + 63) / 64;
+  const __m256i m4 = _mm256_set1_epi8(0xF), fifth = _mm256_set1_epi8(0x10), ones = _mm256_set1_epi16(1);
+  prefetch_lines<kLines>(in + kQ80PrefetchAhead * kBytes);
+  if constexpr (MR > 1) prefetch_l2<kLines>(in + l2_ahead(kBytes) + kQ80PrefetchAhead * kBytes);
+  const int8_t* q[MR];
+  for (int m = 0; m < MR; ++m) q[m] = xq.q.data() + (m0 + m) * xq.Kp + 32 * b;
+  for (int hf = 0; hf < 2; ++hf) {
+    __m256i lo16[MR], hi16[MR];
+    for (int m = 0; m < MR; ++m) lo16[m] = hi16[m] = _mm256_setzero_si256();
+    const __m256i qh = kFifth ? _mm256_loadu_si256(reinterpret_cast<const __m256i*>(in + small_fifth_at(kMin) + 32 * hf))
+                              : _mm256_setzero_si256();
+#pragma GCC unroll 4
+    for (int j = 0; j < 4; ++j) {
+      const __m256i v = _mm256_loadu_si256(reinterpret_cast<const __m256i*>(in + kCodes + 64 * j + 32 * hf));
+      __m256i lo = _mm256_and_si256(v, m4), hi = _mm256_and_si256(_mm256_srli_epi16(v, 4), m4);
+      if constexpr (kFifth) {
+        lo = _mm256_or_si256(lo, _mm256_and_si256(_mm256_slli_epi32(qh, 4 - j), fifth));
+        hi = _mm256_or_si256(hi, _mm256_and_si256(_mm256_srli_epi32(qh, j), fifth));
+      }
+      for (int m = 0; m < MR; ++m) {
+        lo16[m] = _mm256_add_epi16(lo16[m], _mm256_maddubs_epi16(lo, bcast4_256(q[m] + 4 * j)));
+        hi16[m] = _mm256_add_epi16(hi16[m], _mm256_maddubs_epi16(hi, bcast4_256(q[m] + 16 + 4 * j)));
+      }
+    }
+    const __m256 d = halves8(in + 16 * hf);
+    __m256* acc = hf == 0 ? acc0 : acc1;
+    for (int m = 0; m < MR; ++m) {
+      const int64_t base = (m0 + m) * xq.Kp + 32 * b;
+      const float dx = xq.dx4[base / 4], sx = xq.sums[base / 16] + xq.sums[base / 16 + 1];  // sx: dx * sum(qx)
+      const __m256 dot = _mm256_cvtepi32_ps(_mm256_add_epi32(_mm256_madd_epi16(lo16[m], ones), _mm256_madd_epi16(hi16[m], ones)));
+      if constexpr (kMin) {
+        acc[m] = _mm256_fmadd_ps(_mm256_mul_ps(dot, _mm256_set1_ps(dx)), d, acc[m]);
+        acc[m] = _mm256_fmadd_ps(halves8(in + 32 + 16 * hf), _mm256_set1_ps(sx), acc[m]);
+      } else {
+        const float off = (kFifth ? 16.f : 8.f) * sx;
+        acc[m] = _mm256_fmadd_ps(_mm256_fmsub_ps(dot, _mm256_set1_ps(dx), _mm256_set1_ps(off)), d, acc[m]);
+      }
+    }
+  }
+}
+
 // Rows [m0, m0 + MR) of x against a packed group, into y[m * ldy + 0 .. 15]: a block's
 // two halves one after the other, so that the group is read once, in order.
 template <int MR>
@@ -1499,6 +1668,16 @@ void packed_tile_avx2(int64_t type, const uint8_t* group, int64_t K, const Quant
   for (int64_t b = 0; b < blocks; ++b) {
     if (type == kQ8_0) {
       q80_block<MR>(group + b * bytes, b, xq, m0, acc[0], acc[1]);
+      continue;
+    }
+    if (is_small_type(type)) {
+      const uint8_t* in = group + b * bytes;
+      switch (type) {
+        case kQ4_0: small_block<MR, false, false>(in, b, xq, m0, acc[0], acc[1]); break;
+        case kQ4_1: small_block<MR, true, false>(in, b, xq, m0, acc[0], acc[1]); break;
+        case kQ5_0: small_block<MR, false, true>(in, b, xq, m0, acc[0], acc[1]); break;
+        default: small_block<MR, true, true>(in, b, xq, m0, acc[0], acc[1]); break;
+      }
       continue;
     }
     if (type == kQ6_K) {

@@ -38,7 +38,7 @@ DOT_ROWS = 16
 _SLAB_ROWS = 1024
 # The C++ ops' packed layouts: rows interleaved by PACK_ROWS, a packed part's type id is its
 # GGUF id + PACKED_ID.
-PACKED_TYPES = ("Q4_K", "Q5_K", "Q6_K", "Q8_0")
+PACKED_TYPES = ("Q4_0", "Q4_1", "Q5_0", "Q5_1", "Q8_0", "Q4_K", "Q5_K", "Q6_K")
 PACK_ROWS = 16
 PACKED_ID = 256
 
