@@ -954,7 +954,7 @@ void dot_rows(int64_t type, const uint8_t* row, int64_t K, const QuantizedX& xq,
 }
 
 // ---------------------------------------------------------------------------------------------
-// Q4_K, Q5_K, Q6_K and Q8_0 repacked sixteen rows at a time (a type id + kPacked), for CPUs with
+// Every type above repacked sixteen rows at a time (a type id + kPacked), for CPUs with
 // AVX512-VNNI (AVX2 reads the same groups, below). One 64-byte load holds 4 code bytes of each of 16 rows, so one vpdpbusd with 4
 // bytes of x broadcast takes 16 rows' dot products at once, each row in its own int32 lane:
 // the x bytes and the scale steps serve 16 rows, no lane sum is left to reduce at the end of a

@@ -177,7 +177,7 @@ def test_packed_copies_lie_back_to_back_on_2mib_arenas():
 
 @pytest.mark.skipif(not cpu_kernels.load(), reason="the C++ ops do not build here")
 def test_packed_kernels_by_cpu_level():
-    """The AVX2 and AVX-512 builds pack Q4_K, Q5_K, Q6_K and Q8_0 (vpdpbusd with VNNI, vpmaddubsw
+    """The AVX2 and AVX-512 builds pack every type they read (vpdpbusd with VNNI, vpmaddubsw
     without); the portable build none."""
     want = set(PACKED_TYPES) if cpu_caps.get().level in ("avx2", "avx512") else set()
     assert {n for n in PACKED_TYPES if _packs(n)} == want

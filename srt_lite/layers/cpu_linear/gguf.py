@@ -6,7 +6,7 @@ activations up to DOT_ROWS rows (every row count for packed weights without AMX,
 dot_rows) and dequantized slabs through a matmul above. Without the C++ ops, slabs are
 dequantized in Python and go through F.linear.
 
-On CPUs with AVX512-VNNI, Q4_K, Q5_K, Q6_K and Q8_0 parts are repacked once at load, 16 rows
+On CPUs with AVX512-VNNI, parts of every type above (PACKED_TYPES) are repacked once at load, 16 rows
 interleaved (csrc/cpu_gguf_linear.cpp describes the layout): one int8 dot-product instruction
 then serves 16 outputs, which keeps decode at the memory's speed. With AVX2 the same types
 are repacked the same way and read 8 rows a load. The file's own blocks stay
