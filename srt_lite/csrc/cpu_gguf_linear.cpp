@@ -984,6 +984,7 @@ constexpr int kPackedRowTile = 4;  // rows of x a pass over a packed group keeps
 // Q4_K, Q5_K and Q8_0 codes decode in an op or two and keep the 4-row tile.
 constexpr int kQ6kRowTileAvx2 = 8;
 constexpr int64_t kQ80PrefetchAhead = 4;  // Q8_0 blocks (8.5 lines each) between a prefetch and its use
+constexpr int64_t kSmallPrefetchAhead = 4;  // Q4_0-Q5_1 blocks (4.5-6 lines each), likewise
 
 inline bool is_packed(int64_t type) { return type >= kPacked; }
 constexpr int64_t kQ4kGroupBytes = 2368;  // a packed Q4_K block of 16 rows; Q5_K's qh start there
@@ -1355,8 +1356,8 @@ void packed_small(const uint8_t* group, int64_t K, const QuantizedX& xq, int64_t
   for (int64_t b = 0; b < K / 32; ++b) {
     const uint8_t* in = group + b * kBytes;
     if constexpr (MR > 1) {
-      prefetch_lines<kLines>(in + kQ80PrefetchAhead * kBytes);
-      prefetch_l2<kLines>(in + l2_ahead(kBytes) + kQ80PrefetchAhead * kBytes);
+      prefetch_lines<kLines>(in + kSmallPrefetchAhead * kBytes);
+      prefetch_l2<kLines>(in + l2_ahead(kBytes) + kSmallPrefetchAhead * kBytes);
     }
     const int8_t* q[MR];
     __m512i a0[MR], a1[MR];
@@ -1618,8 +1619,8 @@ inline void small_block(const uint8_t* in, int64_t b, const QuantizedX& xq, int6
   constexpr int64_t kBytes = small_codes_at(kMin, kFifth) + 256, kCodes = small_codes_at(kMin, kFifth);
   constexpr int64_t kLines = (kBytes + 63) / 64;
   const __m256i m4 = _mm256_set1_epi8(0xF), fifth = _mm256_set1_epi8(0x10), ones = _mm256_set1_epi16(1);
-  prefetch_lines<kLines>(in + kQ80PrefetchAhead * kBytes);
-  if constexpr (MR > 1) prefetch_l2<kLines>(in + l2_ahead(kBytes) + kQ80PrefetchAhead * kBytes);
+  prefetch_lines<kLines>(in + kSmallPrefetchAhead * kBytes);
+  if constexpr (MR > 1) prefetch_l2<kLines>(in + l2_ahead(kBytes) + kSmallPrefetchAhead * kBytes);
   const int8_t* q[MR];
   for (int m = 0; m < MR; ++m) q[m] = xq.q.data() + (m0 + m) * xq.Kp + 32 * b;
   for (int hf = 0; hf < 2; ++hf) {
