@@ -62,7 +62,7 @@ class Sampler:
         return out
 
     def _sample(self, logits: torch.Tensor, info: SamplingBatchInfo) -> torch.Tensor:
-        if logits.dtype == torch.float32 and logits.stride(-1) == 1 and cpu_kernels.eager_cpu(logits):
+        if _cpp_rows(logits):
             return self._sample_cpp(logits, info)
         greedy_ids = greedy_argmax(logits)
         probs = torch.softmax(logits / info.temperatures, dim=-1)
@@ -134,6 +134,12 @@ class Sampler:
         return u
 
 
+def _cpp_rows(logits: torch.Tensor) -> bool:
+    """Whether the C++ sampling ops take these logits: fp32 rows, contiguous, on the CPU
+    outside a compiled graph."""
+    return logits.dtype == torch.float32 and logits.stride(-1) == 1 and cpu_kernels.eager_cpu(logits)
+
+
 # greedy_argmax scans the vocabulary in blocks of this many logits.
 ARGMAX_BLOCK = 1024
 
@@ -146,7 +152,7 @@ def greedy_argmax(logits: torch.Tensor) -> torch.Tensor:
     ARGMAX_BLOCK logits (amax), the first block holding the row's maximum, then argmax within
     that block."""
     B, V = logits.shape
-    if V and logits.dtype == torch.float32 and logits.stride(-1) == 1 and cpu_kernels.eager_cpu(logits):
+    if V and _cpp_rows(logits):
         return torch.ops.srt_lite_cpu.argmax_rows(logits)
     n_blocks = -(-V // ARGMAX_BLOCK)
     if n_blocks < 4 or logits.stride(-1) != 1:
