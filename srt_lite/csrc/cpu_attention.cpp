@@ -27,6 +27,7 @@
 #include <vector>
 
 #include "cpu_attention_common.h"
+#include "cpu_ops.h"
 #include "cpu_prefix_attention.h"
 
 namespace {
@@ -543,6 +544,15 @@ at::Tensor attention(const at::Tensor& q, const at::Tensor& k, const at::Tensor&
 }
 
 }  // namespace
+
+void srt_lite_ops::cascade_attention(
+    const at::Tensor& q, const at::Tensor& k, const at::Tensor& v, at::Tensor k_buf, at::Tensor v_buf,
+    const at::Tensor& loc, const at::Tensor& suffix_index, const at::Tensor& q_off, const at::Tensor& k_off,
+    int64_t prefix_start, int64_t prefix_len, const at::Tensor& prefix_index, int64_t num_heads, double scale,
+    at::Tensor out) {
+  ::cascade_attention(q, k, v, std::move(k_buf), std::move(v_buf), loc, suffix_index, q_off, k_off, prefix_start,
+                      prefix_len, prefix_index, num_heads, scale, std::move(out));
+}
 
 TORCH_LIBRARY(srt_lite_cpu, m) {
   m.def(

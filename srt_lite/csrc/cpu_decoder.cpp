@@ -16,6 +16,8 @@
 #include <ATen/core/dispatch/Dispatcher.h>
 #include <torch/library.h>
 
+#include "cpu_ops.h"
+
 #include <memory>
 #include <mutex>
 #include <optional>
@@ -80,12 +82,10 @@ c10::TypedOperatorHandle<Sig> op(const char* name) {
 using PanelSig = at::Tensor(const at::Tensor&, const at::Tensor&, const std::optional<at::Tensor>&, int64_t);
 using Int4PanelSig = at::Tensor(const at::Tensor&, const at::Tensor&, const at::Tensor&, const std::optional<at::Tensor>&,
                                 int64_t);
-using CascadeSig = void(const at::Tensor&, const at::Tensor&, const at::Tensor&, at::Tensor, at::Tensor, const at::Tensor&,
-                        const at::Tensor&, const at::Tensor&, const at::Tensor&, int64_t, int64_t, const at::Tensor&,
-                        int64_t, double, at::Tensor);
 
-// The product `c` of x; the bias inside it unless it comes after (see linear).
-at::Tensor product(const Linear& l, const Choice& c, const at::Tensor& x) {
+// The product `c` of x; the bias inside it unless it comes after (see linear). A GGUF product
+// writes into `out` where it fits (srt_lite_ops::gguf_linear_registered); the others allocate.
+at::Tensor product(const Linear& l, const Choice& c, const at::Tensor& x, const at::Tensor& out) {
   const std::optional<at::Tensor> bias = l.bias_after ? std::nullopt : l.bias;
   switch (c.kind) {
     case kInt4: {
@@ -118,21 +118,23 @@ at::Tensor product(const Linear& l, const Choice& c, const at::Tensor& x) {
     }
     case kTorch:
       return at::linear(x, c.a, bias);
-    case kGguf: {
-      static const auto f = op<at::Tensor(const at::Tensor&, int64_t, const std::optional<at::Tensor>&)>(
-          "srt_lite_cpu::gguf_linear_registered");
-      return f.call(x, c.n, bias);
-    }
+    case kGguf:
+      return srt_lite_ops::gguf_linear_registered(x, c.n, bias, out);
     default:
       TORCH_CHECK(false, "decoder stack: no product for ", x.size(0), " rows");
   }
   return at::Tensor();
 }
 
-// y = x W^T + b for `cls`'s product, as PackableLinear.forward computes it at one rank.
-at::Tensor linear(const Linear& l, int64_t cls, const at::Tensor& x) {
-  at::Tensor y = product(l, l.by_rows[cls], x);
-  return l.bias_after && l.bias ? y + *l.bias : y;
+// y = x W^T + b for `cls`'s product, as PackableLinear.forward computes it at one rank, in
+// `buf`: written into the tensor there where the product can (the same linear of the layer
+// before left it), else a new one.
+void linear(const Linear& l, int64_t cls, const at::Tensor& x, at::Tensor& buf) {
+  if (l.bias_after && l.bias) {
+    buf = product(l, l.by_rows[cls], x, at::Tensor()) + *l.bias;
+  } else {
+    buf = product(l, l.by_rows[cls], x, buf);
+  }
 }
 
 
@@ -208,37 +210,40 @@ std::tuple<at::Tensor, at::Tensor> decoder_layers(
               "decoder stack: one K and one V buffer per layer");
   TORCH_CHECK(hidden.dim() == 2 && hidden.is_contiguous() && hidden.size(0) == loc.size(0),
               "decoder stack: hidden [T, hidden], one row per token");
-  static const auto rms_norm = op<at::Tensor(const at::Tensor&, const at::Tensor&, double)>("srt_lite_cpu::rms_norm");
-  static const auto add_rms_norm =
-      op<std::tuple<at::Tensor, at::Tensor>(const at::Tensor&, const at::Tensor&, const at::Tensor&, double)>(
-          "srt_lite_cpu::add_rms_norm");
-  static const auto rope = op<at::Tensor(const at::Tensor&, const at::Tensor&, const at::Tensor&)>("srt_lite_cpu::rope");
-  static const auto silu_and_mul = op<at::Tensor(const at::Tensor&)>("srt_lite_cpu::silu_and_mul");
-  static const auto cascade = op<CascadeSig>("srt_lite_cpu::cascade_attention");
-  const int64_t T = hidden.size(0), H = st->heads, Hkv = st->kv_heads, D = st->head_dim;
+  const int64_t T = hidden.size(0), n = hidden.size(1), H = st->heads, Hkv = st->kv_heads, D = st->head_dim;
   const int64_t q_size = H * D, kv_size = Hkv * D;
   const int64_t cls = T <= st->bounds[0] ? 0 : T <= st->bounds[1] ? 1 : 2;
-  at::Tensor h = hidden, residual;
+  // The step's activations, each written by every layer in turn (the ops in between are
+  // called directly: see cpu_ops.h).
+  const auto opts = hidden.options();
+  at::Tensor normed = at::empty({T, n}, opts);        // a sublayer's normalised input
+  at::Tensor residual = at::empty({T, n}, opts);      // the residual stream after the first sublayer
+  at::Tensor qk = at::empty({T, H + Hkv, D}, opts);   // query and key heads, rotated
+  at::Tensor attn = at::empty({T, q_size}, opts);     // [T, H * D]
+  at::Tensor act = at::empty({T, 0}, opts);           // SiLU(gate) * up, sized by the first layer
+  const at::Tensor q = qk.view({T, (H + Hkv) * D}).narrow(1, 0, q_size);
+  const at::Tensor k = qk.view({T, (H + Hkv) * D}).narrow(1, q_size, kv_size);
+  at::Tensor qkv, o, gate_up, h;  // the products' outputs (see linear)
   for (int64_t i = 0; i < n_layers; ++i) {
     const Layer& layer = st->layers[i];
     if (i == 0) {
-      residual = h;
-      h = rms_norm.call(h, layer.in_norm, st->eps);
+      srt_lite_ops::rms_norm_into(hidden, nullptr, layer.in_norm, st->eps, normed, nullptr);
     } else {
-      std::tie(h, residual) = add_rms_norm.call(h, residual, layer.in_norm, st->eps);
+      srt_lite_ops::rms_norm_into(h, &residual, layer.in_norm, st->eps, normed, &residual);
     }
-    at::Tensor qkv = linear(layer.linears[0], cls, h);  // [T, (H + 2 Hkv) * D]
-    // Query and key heads rotate in one pass; q, k and v are views (LlamaAttention.forward).
-    at::Tensor qk = rope.call(qkv.narrow(1, 0, q_size + kv_size).view({T, H + Hkv, D}), cos, sin);
-    at::Tensor q = qk.narrow(1, 0, H).reshape({T, q_size});
-    at::Tensor k = qk.narrow(1, H, Hkv).reshape({T, kv_size});
-    at::Tensor v = qkv.narrow(1, q_size + kv_size, kv_size);
-    at::Tensor attn = at::empty({T, q_size}, h.options());  // [T, H * D]
-    cascade.call(q, k, v, k_bufs[i], v_bufs[i], loc, suffix_index, q_off, k_off, prefix_start, prefix_len,
-                 prefix_index, H, scale, attn);
-    at::Tensor o = linear(layer.linears[1], cls, attn);
-    std::tie(h, residual) = add_rms_norm.call(o, residual, layer.post_norm, st->eps);
-    h = linear(layer.linears[3], cls, silu_and_mul.call(linear(layer.linears[2], cls, h)));
+    linear(layer.linears[0], cls, normed, qkv);  // [T, (H + 2 Hkv) * D]
+    // Query and key heads rotate in one pass; v is a view (LlamaAttention.forward).
+    srt_lite_ops::rope_into(qkv.narrow(1, 0, q_size + kv_size).view({T, H + Hkv, D}), cos, sin, qk);
+    const at::Tensor v = qkv.narrow(1, q_size + kv_size, kv_size);
+    srt_lite_ops::cascade_attention(q, k, v, k_bufs[i], v_bufs[i], loc, suffix_index, q_off, k_off, prefix_start,
+                                    prefix_len, prefix_index, H, scale, attn);
+    linear(layer.linears[1], cls, attn, o);
+    // The first layer's residual is the embedding, which stays the caller's.
+    srt_lite_ops::rms_norm_into(o, i == 0 ? &hidden : &residual, layer.post_norm, st->eps, normed, &residual);
+    linear(layer.linears[2], cls, normed, gate_up);
+    if (act.size(1) != gate_up.size(1) / 2) act = at::empty({T, gate_up.size(1) / 2}, opts);
+    srt_lite_ops::silu_and_mul_into(gate_up, act);
+    linear(layer.linears[3], cls, act, h);
   }
   return {h, residual};
 }

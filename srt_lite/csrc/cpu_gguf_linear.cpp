@@ -25,6 +25,8 @@
 #include <c10/util/Half.h>
 #include <torch/library.h>
 
+#include "cpu_ops.h"
+
 #include <algorithm>
 #include <atomic>
 #include <memory>
@@ -1851,18 +1853,29 @@ void dot_linear(const at::Tensor& x, const Parts& parts, const float* bias, at::
   // with the server's other processes (or a VM's neighbours), a thread that loses its core for
   // a while delays only the run it holds, not the whole product. Which thread computes an
   // output does not change its value. Runs are whole stages, so that a stage starts on a cache
-  // line of y wherever the parts' sizes allow.
+  // line of y wherever the parts' sizes allow. Claims shrink to half of what is left per
+  // thread as the product ends, down to a stage: with runs of a fixed size the threads
+  // finished a one-row product up to a run apart, one of them idle meanwhile.
   const int64_t count = part_task.back();
   const int64_t threads = std::min<int64_t>(at::get_num_threads(), count);
   const int64_t share = count / (8 * std::max<int64_t>(threads, 1));
   const int64_t run = std::max<int64_t>(1, (share + kStageTasks - 1) / kStageTasks) * kStageTasks;
   std::atomic<int64_t> next{0};
+  const auto claim = [&](int64_t& take) {  // the first task of the next run, of `take` tasks
+    int64_t begin = next.load(std::memory_order_relaxed);
+    do {
+      const int64_t half_left = (count - begin) / (2 * threads);
+      take = std::min(run, std::max<int64_t>(1, (half_left + kStageTasks - 1) / kStageTasks) * kStageTasks);
+    } while (begin < count && !next.compare_exchange_weak(begin, begin + take));
+    return begin;
+  };
   const bool bf16_out = y.scalar_type() == at::kBFloat16;
   constexpr int64_t kStageWidth = kStageTasks * kGroup;
   at::parallel_for(0, threads, 1, [&](int64_t, int64_t) {
     std::vector<float> stage(M * kStageWidth);  // [M, 64]: a stage's outputs before they are written
-    for (int64_t begin = next.fetch_add(run); begin < count; begin = next.fetch_add(run)) {
-      const int64_t end = std::min(count, begin + run);
+    int64_t take = 0;
+    for (int64_t begin = claim(take); begin < count; begin = claim(take)) {
+      const int64_t end = std::min(count, begin + take);
       for (int64_t s0 = begin; s0 < end; s0 += kStageTasks) {
         int64_t width = 0;  // outputs staged so far: a stage's tasks are consecutive outputs
         for (int64_t i = s0; i < std::min(end, s0 + kStageTasks); ++i) {
@@ -1918,20 +1931,21 @@ void dequantize_rows(const Parts& parts, int64_t K, int64_t n0, int64_t rows, co
   });
 }
 
-// x [M, K] (fp32 or bf16) -> [M, N] in x's dtype. Up to `dot_rows` rows of x take the
-// integer dot products; more go through at::mm on slabs dequantized to `mm_bf16` ? bf16 : fp32.
-at::Tensor gguf_linear(const at::Tensor& x, at::TensorList weights, at::IntArrayRef types,
-                       const std::optional<at::Tensor>& bias, int64_t dot_rows, bool mm_bf16) {
+// The product of checked parts: into `out` where the integer products take x's rows and out
+// is [M, N] contiguous in x's dtype, else into a new tensor.
+at::Tensor parts_linear(const at::Tensor& x, const Parts& parts, const std::optional<at::Tensor>& bias,
+                        int64_t dot_rows, bool mm_bf16, const at::Tensor& out) {
   TORCH_CHECK(x.dim() == 2 && (x.scalar_type() == at::kFloat || x.scalar_type() == at::kBFloat16),
               "gguf_linear: x must be fp32 or bf16 [M, K]");
   const at::Tensor xc = x.contiguous();
   const int64_t M = xc.size(0), K = xc.size(1);
-  const Parts parts = check_parts(weights, types, K);
   const bool has_bias = bias.has_value() && bias->defined();
   TORCH_CHECK(!has_bias || bias->numel() == parts.N, "gguf_linear: bias must be [N]");
   if (M <= dot_rows) {
     const at::Tensor b = has_bias ? bias->to(at::kFloat).contiguous() : at::Tensor();
-    at::Tensor y = at::empty({M, parts.N}, xc.options());  // [M, N] in x's dtype
+    const bool fits = out.defined() && out.dim() == 2 && out.size(0) == M && out.size(1) == parts.N &&
+                      out.is_contiguous() && out.scalar_type() == xc.scalar_type();
+    at::Tensor y = fits ? out : at::empty({M, parts.N}, xc.options());  // [M, N] in x's dtype
     if (M > 0) dot_linear(xc, parts, has_bias ? b.data_ptr<float>() : nullptr, y);
     return y;
   }
@@ -1949,6 +1963,14 @@ at::Tensor gguf_linear(const at::Tensor& x, at::TensorList weights, at::IntArray
   }
   if (has_bias) y.add_(*bias);
   return y.scalar_type() == x.scalar_type() ? y : y.to(x.scalar_type());
+}
+
+// x [M, K] (fp32 or bf16) -> [M, N] in x's dtype. Up to `dot_rows` rows of x take the
+// integer dot products; more go through at::mm on slabs dequantized to `mm_bf16` ? bf16 : fp32.
+at::Tensor gguf_linear(const at::Tensor& x, at::TensorList weights, at::IntArrayRef types,
+                       const std::optional<at::Tensor>& bias, int64_t dot_rows, bool mm_bf16) {
+  TORCH_CHECK(x.dim() == 2, "gguf_linear: x must be fp32 or bf16 [M, K]");
+  return parts_linear(x, check_parts(weights, types, x.size(1)), bias, dot_rows, mm_bf16, at::Tensor());
 }
 
 // weight uint8 [N, K / unit * bytes] of `type` -> [N, K] float32.
@@ -2050,8 +2072,9 @@ at::Tensor gguf_repack(const at::Tensor& weight, int64_t type, int64_t K) {
 // by one integer: a GGUFWeight's parts and type ids, and whether a bf16 x may take a bf16
 // matmul above dot_rows. A key stays valid until released (the GGUFWeight's finalizer).
 struct Registered {
-  std::vector<at::Tensor> parts;
-  std::vector<int64_t> types;
+  std::vector<at::Tensor> parts;  // holds the tensors `checked` points into
+  Parts checked;
+  int64_t K;
   int64_t dot_rows;
   bool mm_bf16;
 };
@@ -2059,9 +2082,14 @@ std::mutex g_registered_mutex;
 std::vector<std::shared_ptr<const Registered>> g_registered;
 
 int64_t register_gguf_weight(at::TensorList parts, at::IntArrayRef types, int64_t dot_rows, bool mm_bf16) {
+  TORCH_CHECK(!parts.empty() && parts[0].dim() == 2, "register_gguf_weight: uint8 [rows, bytes] parts");
+  const int64_t type = types[0] % kPacked;
+  const int64_t unit_bytes = is_packed(types[0]) ? packed_group_bytes(type) : type_info(type).bytes;
+  TORCH_CHECK(unit_bytes > 0, "register_gguf_weight: type ", type, " has no packed layout");
   auto r = std::make_shared<Registered>();
   r->parts.assign(parts.begin(), parts.end());
-  r->types.assign(types.begin(), types.end());
+  r->K = parts[0].size(1) / unit_bytes * type_info(type).unit;
+  r->checked = check_parts(r->parts, types, r->K);
   r->dot_rows = dot_rows;
   r->mm_bf16 = mm_bf16;
   std::lock_guard<std::mutex> lock(g_registered_mutex);
@@ -2075,7 +2103,9 @@ void release_gguf_weight(int64_t key) {
 }
 
 // GGUFWeight.forward of a registered weight: x in fp32 or bf16 as is, other dtypes in fp32.
-at::Tensor gguf_linear_registered(const at::Tensor& x, int64_t key, const std::optional<at::Tensor>& bias) {
+// Into `out` as parts_linear writes it.
+at::Tensor registered_linear(const at::Tensor& x, int64_t key, const std::optional<at::Tensor>& bias,
+                             const at::Tensor& out) {
   std::shared_ptr<const Registered> r;
   {
     std::lock_guard<std::mutex> lock(g_registered_mutex);
@@ -2083,14 +2113,24 @@ at::Tensor gguf_linear_registered(const at::Tensor& x, int64_t key, const std::o
                 "gguf_linear_registered: no weight ", key);
     r = g_registered[key];
   }
+  TORCH_CHECK(x.dim() == 2 && x.size(1) == r->K, "gguf_linear_registered: x must be [M, ", r->K, "]");
   const bool direct = x.scalar_type() == at::kFloat || x.scalar_type() == at::kBFloat16;
   const at::Tensor xin = direct ? x : x.to(at::kFloat);
   const bool mm_bf16 = xin.scalar_type() == at::kBFloat16 && r->mm_bf16;
-  at::Tensor y = gguf_linear(xin, r->parts, r->types, bias, r->dot_rows, mm_bf16);
+  at::Tensor y = parts_linear(xin, r->checked, bias, r->dot_rows, mm_bf16, direct ? out : at::Tensor());
   return direct ? y : y.to(x.scalar_type());
 }
 
+at::Tensor gguf_linear_registered(const at::Tensor& x, int64_t key, const std::optional<at::Tensor>& bias) {
+  return registered_linear(x, key, bias, at::Tensor());
+}
+
 }  // namespace
+
+at::Tensor srt_lite_ops::gguf_linear_registered(const at::Tensor& x, int64_t key, const std::optional<at::Tensor>& bias,
+                                                const at::Tensor& out) {
+  return registered_linear(x, key, bias, out);
+}
 
 TORCH_LIBRARY_FRAGMENT(srt_lite_cpu, m) {
   m.def("gguf_linear(Tensor x, Tensor[] weights, int[] types, Tensor? bias, int dot_rows, bool mm_bf16) -> Tensor");

@@ -13,6 +13,8 @@
 #include <ATen/cpu/vec/vec.h>
 #include <torch/library.h>
 
+#include "cpu_ops.h"
+
 #include <algorithm>
 #include <cmath>
 #include <tuple>
@@ -81,7 +83,8 @@ template <typename T>
 void rms_norm_rows(const T* x, const T* residual, const T* weight, T* out, T* h_out, int64_t rows, int64_t n,
                    float eps) {
   at::parallel_for(0, rows, row_grain(n), [&](int64_t begin, int64_t end) {
-    std::vector<float> h(n + kChunk);  // the row in fp32
+    thread_local std::vector<float> h;  // the row in fp32, kept between calls: no allocation a norm
+    if (h.size() < static_cast<size_t>(n + kChunk)) h.resize(n + kChunk);
     for (int64_t r = begin; r < end; ++r) {
       Vec ss(0.f);
       for (int64_t i = 0; i < n; i += kChunk) {
@@ -114,18 +117,32 @@ void rms_norm_rows(const T* x, const T* residual, const T* weight, T* out, T* h_
   });
 }
 
-// x [.., n], weight [n] -> RMSNorm(x) (see rms_norm_rows).
-at::Tensor rms_norm(const at::Tensor& x, const at::Tensor& weight, double eps) {
-  check_rows(x, "rms_norm");
+// rms_norm_rows over tensors: x and, with a residual, h_out = x + residual (h_out may be the
+// residual itself); out = the normalised rows.
+void rms_norm_out(const at::Tensor& x, const at::Tensor* residual, const at::Tensor& weight, double eps, at::Tensor& out,
+                  at::Tensor* h_out) {
+  const char* name = residual ? "add_rms_norm" : "rms_norm";
+  check_rows(x, name);
   const int64_t n = x.size(-1);
-  TORCH_CHECK(weight.numel() == n && weight.scalar_type() == x.scalar_type() && weight.is_contiguous(),
-              "rms_norm: weight [", n, "] in x's dtype");
-  at::Tensor out = at::empty_like(x);
+  TORCH_CHECK(weight.numel() == n && weight.scalar_type() == x.scalar_type() && weight.is_contiguous(), name,
+              ": weight [", n, "] in x's dtype");
+  const auto like_x = [&](const at::Tensor& t) {
+    return t.numel() == x.numel() && t.scalar_type() == x.scalar_type() && t.is_contiguous();
+  };
+  TORCH_CHECK(like_x(out) && (!residual || (like_x(*residual) && h_out && like_x(*h_out))), name,
+              ": residual and outputs like x");
   dispatch(x.scalar_type(), [&](auto tag) {
     using scalar_t = decltype(tag);
-    rms_norm_rows<scalar_t>(x.data_ptr<scalar_t>(), nullptr, weight.data_ptr<scalar_t>(), out.data_ptr<scalar_t>(),
-                            nullptr, x.numel() / n, n, static_cast<float>(eps));
+    rms_norm_rows<scalar_t>(x.data_ptr<scalar_t>(), residual ? residual->data_ptr<scalar_t>() : nullptr,
+                            weight.data_ptr<scalar_t>(), out.data_ptr<scalar_t>(),
+                            residual ? h_out->data_ptr<scalar_t>() : nullptr, x.numel() / n, n, static_cast<float>(eps));
   });
+}
+
+// x [.., n], weight [n] -> RMSNorm(x) (see rms_norm_rows).
+at::Tensor rms_norm(const at::Tensor& x, const at::Tensor& weight, double eps) {
+  at::Tensor out = at::empty_like(x);
+  rms_norm_out(x, nullptr, weight, eps, out, nullptr);
   return out;
 }
 
@@ -133,32 +150,23 @@ at::Tensor rms_norm(const at::Tensor& x, const at::Tensor& weight, double eps) {
 // sublayer's input in one pass.
 std::tuple<at::Tensor, at::Tensor> add_rms_norm(const at::Tensor& x, const at::Tensor& residual, const at::Tensor& weight,
                                                 double eps) {
-  check_rows(x, "add_rms_norm");
-  const int64_t n = x.size(-1);
-  TORCH_CHECK(residual.sizes() == x.sizes() && residual.scalar_type() == x.scalar_type() && residual.is_contiguous(),
-              "add_rms_norm: residual like x");
-  TORCH_CHECK(weight.numel() == n && weight.scalar_type() == x.scalar_type() && weight.is_contiguous(),
-              "add_rms_norm: weight [", n, "] in x's dtype");
+  TORCH_CHECK(residual.sizes() == x.sizes(), "add_rms_norm: residual like x");
   at::Tensor out = at::empty_like(x), h = at::empty_like(x);
-  dispatch(x.scalar_type(), [&](auto tag) {
-    using scalar_t = decltype(tag);
-    rms_norm_rows<scalar_t>(x.data_ptr<scalar_t>(), residual.data_ptr<scalar_t>(), weight.data_ptr<scalar_t>(),
-                            out.data_ptr<scalar_t>(), h.data_ptr<scalar_t>(), x.numel() / n, n, static_cast<float>(eps));
-  });
+  rms_norm_out(x, &residual, weight, eps, out, &h);
   return {out, h};
 }
 
 // x [T, heads, D] with contiguous heads, cos / sin [T, D] (the [cos, cos] and [-sin, sin]
-// rows of RotaryEmbedding, in x's dtype) -> x * cos + rotate_half(x) * sin, a new
-// [T, heads, D] tensor, each product and the sum rounded to T as the torch ops round.
-at::Tensor rope(const at::Tensor& x, const at::Tensor& cos, const at::Tensor& sin) {
+// rows of RotaryEmbedding, in x's dtype) -> out [T, heads, D] = x * cos + rotate_half(x) * sin,
+// each product and the sum rounded to T as the torch ops round.
+void rope_out(const at::Tensor& x, const at::Tensor& cos, const at::Tensor& sin, at::Tensor& out) {
   TORCH_CHECK(x.dim() == 3 && x.stride(2) == 1 && x.stride(1) == x.size(2), "rope: x [T, heads, D] with contiguous heads");
   const int64_t T = x.size(0), H = x.size(1), D = x.size(2), half = D / 2;
   TORCH_CHECK(D % 2 == 0 && cos.is_contiguous() && sin.is_contiguous() && cos.numel() == T * D && sin.numel() == T * D &&
       cos.scalar_type() == x.scalar_type() && sin.scalar_type() == x.scalar_type(), "rope: cos / sin [T, D] in x's dtype");
   const at::ScalarType t = x.scalar_type();
   TORCH_CHECK(t == at::kBFloat16 || t == at::kHalf || t == at::kFloat, "rope: bf16, fp16 or fp32");
-  at::Tensor out = at::empty({T, H, D}, x.options());
+  TORCH_CHECK(out.sizes() == x.sizes() && out.scalar_type() == t && out.is_contiguous(), "rope: out [T, heads, D] like x");
   dispatch(t, [&](auto tag) {
     using scalar_t = decltype(tag);
     const scalar_t* xp = x.data_ptr<scalar_t>();
@@ -195,19 +203,24 @@ at::Tensor rope(const at::Tensor& x, const at::Tensor& cos, const at::Tensor& si
       }
     });
   });
+}
+
+at::Tensor rope(const at::Tensor& x, const at::Tensor& cos, const at::Tensor& sin) {
+  TORCH_CHECK(x.dim() == 3, "rope: x [T, heads, D] with contiguous heads");
+  at::Tensor out = at::empty(x.sizes(), x.options());  // [T, heads, D]
+  rope_out(x, cos, sin, out);
   return out;
 }
 
 // x [.., 2d] (gate | up) -> silu(gate) * up [.., d], silu rounded to T before the product as
-// F.silu(...) * up rounds; silu computed as torch's vectorised kernel computes it.
-at::Tensor silu_and_mul(const at::Tensor& x) {
+// F.silu(...) * up rounds; silu computed as torch's vectorised kernel computes it. Into out.
+void silu_and_mul_out(const at::Tensor& x, at::Tensor& out) {
   check_rows(x, "silu_and_mul");
   const int64_t n2 = x.size(-1), d = n2 / 2;
   TORCH_CHECK(n2 % 2 == 0, "silu_and_mul: an even last dimension");
-  std::vector<int64_t> shape(x.sizes().begin(), x.sizes().end());
-  shape.back() = d;
-  at::Tensor out = at::empty(shape, x.options());
   const int64_t rows = x.numel() / n2;
+  TORCH_CHECK(out.numel() == rows * d && out.scalar_type() == x.scalar_type() && out.is_contiguous(),
+              "silu_and_mul: out [.., ", d, "] in x's dtype");
   dispatch(x.scalar_type(), [&](auto tag) {
     using scalar_t = decltype(tag);
     const scalar_t* xp = x.data_ptr<scalar_t>();
@@ -234,10 +247,33 @@ at::Tensor silu_and_mul(const at::Tensor& x) {
       }
     });
   });
+}
+
+at::Tensor silu_and_mul(const at::Tensor& x) {
+  TORCH_CHECK(x.dim() >= 1, "silu_and_mul: contiguous rows");
+  std::vector<int64_t> shape(x.sizes().begin(), x.sizes().end());
+  shape.back() /= 2;
+  at::Tensor out = at::empty(shape, x.options());  // [.., d]
+  silu_and_mul_out(x, out);
   return out;
 }
 
 }  // namespace
+
+namespace srt_lite_ops {
+
+void rms_norm_into(const at::Tensor& x, const at::Tensor* residual, const at::Tensor& weight, double eps,
+                   at::Tensor& out, at::Tensor* h_out) {
+  rms_norm_out(x, residual, weight, eps, out, h_out);
+}
+
+void rope_into(const at::Tensor& x, const at::Tensor& cos, const at::Tensor& sin, at::Tensor& out) {
+  rope_out(x, cos, sin, out);
+}
+
+void silu_and_mul_into(const at::Tensor& x, at::Tensor& out) { silu_and_mul_out(x, out); }
+
+}  // namespace srt_lite_ops
 
 TORCH_LIBRARY_FRAGMENT(srt_lite_cpu, m) {
   m.def("rms_norm(Tensor x, Tensor weight, float eps) -> Tensor");
