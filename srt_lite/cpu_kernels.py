@@ -31,7 +31,7 @@ SOURCES = [os.path.join(_CSRC, name) for name in ("cpu_attention.cpp", "cpu_prom
                                                   "cpu_norm_rope.cpp", "cpu_decoder.cpp", "cpu_gguf_linear.cpp",
                                                   "cpu_sampling.cpp")]
 # Headers the sources include: not compiled on their own, but part of the build's identity.
-HEADERS = [os.path.join(_CSRC, name) for name in ("cpu_amx.h", "cpu_attention_common.h", "cpu_int4.h",
+HEADERS = [os.path.join(_CSRC, name) for name in ("cpu_amx.h", "cpu_attention_common.h", "cpu_int4.h", "cpu_ops.h",
                                                   "cpu_prefix_attention.h")]
 _loaded: bool | None = None
 # Compiler flags by CPU level (srt_lite.cpu_caps), so at::vec in the sources gets the vector
