@@ -1854,7 +1854,7 @@ void dot_linear(const at::Tensor& x, const Parts& parts, const float* bias, at::
   // a while delays only the run it holds, not the whole product. Which thread computes an
   // output does not change its value. Runs are whole stages, so that a stage starts on a cache
   // line of y wherever the parts' sizes allow. Claims shrink to half of what is left per
-  // thread as the product ends, down to a stage: with runs of a fixed size the threads
+  // thread as the product ends, down to a task: with runs of a fixed size the threads
   // finished a one-row product up to a run apart, one of them idle meanwhile.
   const int64_t count = part_task.back();
   const int64_t threads = std::min<int64_t>(at::get_num_threads(), count);
@@ -1864,8 +1864,8 @@ void dot_linear(const at::Tensor& x, const Parts& parts, const float* bias, at::
   const auto claim = [&](int64_t& take) {  // the first task of the next run, of `take` tasks
     int64_t begin = next.load(std::memory_order_relaxed);
     do {
-      const int64_t half_left = (count - begin) / (2 * threads);
-      take = std::min(run, std::max<int64_t>(1, (half_left + kStageTasks - 1) / kStageTasks) * kStageTasks);
+      const int64_t half_left = (count - begin + 2 * threads - 1) / (2 * threads);
+      take = half_left < kStageTasks ? half_left : std::min(run, (half_left + kStageTasks - 1) / kStageTasks * kStageTasks);
     } while (begin < count && !next.compare_exchange_weak(begin, begin + take));
     return begin;
   };
