@@ -493,49 +493,68 @@ inline void round_scaled(const T* x, int64_t n, float id, int8_t* q, int* sums) 
 // less time than waking the other threads costs.
 constexpr int64_t kQuantizeGrain = 1 << 14;  // values
 
-// Fills xq's per-256 fields from x [M, K] (K a multiple of 256).
-template <typename T>
-void quantize_x256(const T* x, int64_t M, int64_t K, QuantizedX& xq) {
-  const int64_t Kp = xq.Kp, blocks = K / 256;
+// x's per-256 fields (quantize_x256) sized for x [M, K], zeroed where they pad K to Kp.
+void size_x256(int64_t M, QuantizedX& xq) {
+  const int64_t Kp = xq.Kp;
   xq.q256.assign(M * Kp, 0);
   xq.d256.assign(M * Kp / 256, 0.f);
   xq.sum16.assign(M * Kp / 16, 0);
   xq.sum32.assign(M * Kp / 32, 0);
-  at::parallel_for(0, M * blocks, kQuantizeGrain / 256, [&](int64_t begin, int64_t end) {
-    for (int64_t i = begin; i < end; ++i) {
-      const int64_t m = i / blocks, b = i % blocks;
-      const T* src = x + m * K + 256 * b;
-      const float d = abs_max(src, 256) / 127.f, id = d > 0.f ? 1.f / d : 0.f;
-      int sums[16];
-      round_scaled(src, 256, id, xq.q256.data() + m * Kp + 256 * b, sums);
-      int16_t* sum16 = xq.sum16.data() + (m * Kp + 256 * b) / 16;
-      for (int j = 0; j < 16; ++j) sum16[j] = static_cast<int16_t>(sums[j]);
-      for (int j = 0; j < 8; ++j) xq.sum32[(m * Kp + 256 * b) / 32 + j] = static_cast<int16_t>(sums[2 * j] + sums[2 * j + 1]);
-      xq.d256[(m * Kp) / 256 + b] = d;
-    }
+}
+
+// Block i (row i / (K / 256), values 256 (i % (K / 256)) on) of x [M, K] into xq's per-256 fields.
+template <typename T>
+void quantize_block256(const T* x, int64_t K, int64_t i, QuantizedX& xq) {
+  const int64_t Kp = xq.Kp, blocks = K / 256;
+  const int64_t m = i / blocks, b = i % blocks;
+  const T* src = x + m * K + 256 * b;
+  const float d = abs_max(src, 256) / 127.f, id = d > 0.f ? 1.f / d : 0.f;
+  int sums[16];
+  round_scaled(src, 256, id, xq.q256.data() + m * Kp + 256 * b, sums);
+  int16_t* sum16 = xq.sum16.data() + (m * Kp + 256 * b) / 16;
+  for (int j = 0; j < 16; ++j) sum16[j] = static_cast<int16_t>(sums[j]);
+  for (int j = 0; j < 8; ++j) xq.sum32[(m * Kp + 256 * b) / 32 + j] = static_cast<int16_t>(sums[2 * j] + sums[2 * j + 1]);
+  xq.d256[(m * Kp) / 256 + b] = d;
+}
+
+// Fills xq's per-256 fields from x [M, K] (K a multiple of 256).
+template <typename T>
+void quantize_x256(const T* x, int64_t M, int64_t K, QuantizedX& xq) {
+  size_x256(M, xq);
+  at::parallel_for(0, M * (K / 256), kQuantizeGrain / 256, [&](int64_t begin, int64_t end) {
+    for (int64_t i = begin; i < end; ++i) quantize_block256(x, K, i, xq);
   });
+}
+
+// x's per-32 fields (quantize_x32) sized for x [M, K], zeroed where they pad K to Kp.
+void size_x32(int64_t M, QuantizedX& out) {
+  const int64_t Kp = out.Kp;
+  out.q.assign(M * Kp, 0);
+  out.dx4.assign(M * Kp / 4, 0.f);
+  out.sums.assign(M * Kp / 16, 0.f);
+}
+
+// Group i (row i / (K / 32), values 32 (i % (K / 32)) on) of x [M, K] into xq's per-32 fields.
+template <typename T>
+void quantize_group32(const T* x, int64_t K, int64_t i, QuantizedX& out) {
+  const int64_t Kp = out.Kp, groups = K / 32;
+  const int64_t m = i / groups, g = i % groups;
+  const T* src = x + m * K + 32 * g;
+  const float d = abs_max(src, 32) / 127.f, id = d > 0.f ? 1.f / d : 0.f;
+  int sum[2];
+  round_scaled(src, 32, id, out.q.data() + m * Kp + 32 * g, sum);
+  float* dx4 = out.dx4.data() + (m * Kp + 32 * g) / 4;
+  for (int l = 0; l < 8; ++l) dx4[l] = d;
+  out.sums[(m * Kp + 32 * g) / 16] = d * static_cast<float>(sum[0]);
+  out.sums[(m * Kp + 32 * g) / 16 + 1] = d * static_cast<float>(sum[1]);
 }
 
 // Fills xq's per-32 fields from x [M, K].
 template <typename T>
 void quantize_x32(const T* x, int64_t M, int64_t K, QuantizedX& out) {
-  const int64_t Kp = out.Kp;
-  out.q.assign(M * Kp, 0);
-  out.dx4.assign(M * Kp / 4, 0.f);
-  out.sums.assign(M * Kp / 16, 0.f);
-  const int64_t groups = K / 32;
-  at::parallel_for(0, M * groups, kQuantizeGrain / 32, [&](int64_t begin, int64_t end) {
-    for (int64_t i = begin; i < end; ++i) {
-      const int64_t m = i / groups, g = i % groups;
-      const T* src = x + m * K + 32 * g;
-      const float d = abs_max(src, 32) / 127.f, id = d > 0.f ? 1.f / d : 0.f;
-      int sum[2];
-      round_scaled(src, 32, id, out.q.data() + m * Kp + 32 * g, sum);
-      float* dx4 = out.dx4.data() + (m * Kp + 32 * g) / 4;
-      for (int l = 0; l < 8; ++l) dx4[l] = d;
-      out.sums[(m * Kp + 32 * g) / 16] = d * static_cast<float>(sum[0]);
-      out.sums[(m * Kp + 32 * g) / 16 + 1] = d * static_cast<float>(sum[1]);
-    }
+  size_x32(M, out);
+  at::parallel_for(0, M * (K / 32), kQuantizeGrain / 32, [&](int64_t begin, int64_t end) {
+    for (int64_t i = begin; i < end; ++i) quantize_group32(x, K, i, out);
   });
 }
 
@@ -1812,6 +1831,104 @@ void write_span(const float* sums, int64_t lds, int64_t M, int64_t n0, int64_t n
   for (int64_t m = 0; m < M; ++m) convert_out(sums + m * lds, bias ? bias + n0 : nullptr, y + m * N + n0, n);
 }
 
+// x quantized as the parts read it: per 256 for the K-quants, per 32 for the others.
+void quantize_x(const at::Tensor& x, const std::vector<int64_t>& types, QuantizedX& xq) {
+  const int64_t M = x.size(0), K = x.size(1);
+  xq.Kp = (K + kMaxUnit - 1) / kMaxUnit * kMaxUnit;
+  const bool bf16 = x.scalar_type() == at::kBFloat16;
+  if (std::any_of(types.begin(), types.end(), reads_x256)) {
+    bf16 ? quantize_x256(x.data_ptr<at::BFloat16>(), M, K, xq) : quantize_x256(x.data_ptr<float>(), M, K, xq);
+  }
+  if (!std::all_of(types.begin(), types.end(), reads_x256)) {
+    bf16 ? quantize_x32(x.data_ptr<at::BFloat16>(), M, K, xq) : quantize_x32(x.data_ptr<float>(), M, K, xq);
+  }
+}
+
+// A product's tasks: task i is 16 outputs (fewer at a part's end) of one part. Worked out per
+// task rather than listed: building the list was ~6 us of a 16384-row product's ~350 us at
+// one row of x.
+struct Task {
+  size_t p;
+  int64_t r0, rows;
+};
+class Tasks {
+ public:
+  explicit Tasks(const Parts& parts) : parts_(parts), first_(parts.types.size() + 1, 0) {
+    for (size_t p = 0; p < parts.types.size(); ++p) {
+      const int64_t type = parts.types[p];
+      TORCH_CHECK(!is_packed(type) || packs_type(type % kPacked), "gguf_linear: no packed kernel for type ",
+                  type % kPacked, " on this CPU");
+      first_[p + 1] = first_[p] + (parts.rows(p) + kGroup - 1) / kGroup;
+    }
+  }
+  int64_t count() const { return first_.back(); }
+  Task at(int64_t i) const {
+    size_t p = 0;
+    while (first_[p + 1] <= i) ++p;
+    const int64_t r0 = (i - first_[p]) * kGroup;
+    return Task{p, r0, std::min(kGroup, parts_.rows(p) - r0)};
+  }
+
+ private:
+  const Parts& parts_;
+  std::vector<int64_t> first_;  // part p's first task
+};
+
+// Threads claim runs of tasks as they go rather than an equal share each: on a CPU shared with
+// the server's other processes (or a VM's neighbours), a thread that loses its core for a
+// while delays only the run it holds, not the whole product. Which thread computes an output
+// does not change its value. Runs are whole stages, so that a stage starts on a cache line of
+// y wherever the parts' sizes allow. Claims shrink to half of what is left per thread as the
+// product ends, down to a task: with runs of a fixed size the threads finished a one-row
+// product up to a run apart, one of them idle meanwhile.
+class RunClaims {
+ public:
+  RunClaims(int64_t count, int64_t threads) : count_(count), threads_(std::max<int64_t>(threads, 1)) {
+    const int64_t share = count / (8 * threads_);
+    run_ = std::max<int64_t>(1, (share + kStageTasks - 1) / kStageTasks) * kStageTasks;
+  }
+  // The first task of the next run (count once all are taken); its length in `take`.
+  int64_t claim(int64_t& take) {
+    int64_t begin = next_.load(std::memory_order_relaxed);
+    do {
+      const int64_t half_left = (count_ - begin + 2 * threads_ - 1) / (2 * threads_);
+      take = half_left < kStageTasks ? half_left
+                                     : std::min(run_, (half_left + kStageTasks - 1) / kStageTasks * kStageTasks);
+    } while (begin < count_ && !next_.compare_exchange_weak(begin, begin + take));
+    return begin;
+  }
+
+ private:
+  const int64_t count_, threads_;
+  int64_t run_;
+  std::atomic<int64_t> next_{0};
+};
+
+// Tasks [s0, s1) (consecutive outputs) of x's rows into stage [M, kStageTasks * 16]; returns
+// the outputs written.
+int64_t stage_tasks(const Parts& parts, const Tasks& tasks, int64_t s0, int64_t s1, const QuantizedX& xq, int64_t M,
+                    int64_t K, float* stage) {
+  constexpr int64_t kStageWidth = kStageTasks * kGroup;
+  int64_t width = 0;
+  for (int64_t i = s0; i < s1; ++i) {
+    const Task t = tasks.at(i);
+    const int64_t type = parts.types[t.p];
+    float* sums = stage + width;
+    if (is_packed(type)) {
+      packed_rows(type % kPacked, parts.data[t.p] + t.r0 / kGroup * parts.row_bytes[t.p], K, xq, M, sums, kStageWidth);
+    } else {
+      for (int64_t r = 0; r < t.rows; ++r) {
+        const uint8_t* row = parts.data[t.p] + (t.r0 + r) * parts.row_bytes[t.p];
+        for (int64_t m0 = 0; m0 < M; m0 += kRowTile) {
+          dot_rows(type, row, K, xq, m0, std::min(kRowTile, M - m0), sums + r, kStageWidth);
+        }
+      }
+    }
+    width += t.rows;
+  }
+  return width;
+}
+
 // y [M, N] (fp32 or bf16) = x . W^T (+ bias) through integer dot products, 16 outputs a task.
 // A stage of consecutive tasks lands in its thread's fp32 scratch [M, 64] and is written out
 // from there, the bias added and bf16 rounded on the way: a pass of its own over y for each
@@ -1821,83 +1938,22 @@ void write_span(const float* sums, int64_t lds, int64_t M, int64_t n0, int64_t n
 void dot_linear(const at::Tensor& x, const Parts& parts, const float* bias, at::Tensor& y) {
   const int64_t M = x.size(0), K = x.size(1);
   QuantizedX xq;
-  xq.Kp = (K + kMaxUnit - 1) / kMaxUnit * kMaxUnit;
-  const bool bf16 = x.scalar_type() == at::kBFloat16;
-  const auto& types = parts.types;
-  if (std::any_of(types.begin(), types.end(), reads_x256)) {
-    bf16 ? quantize_x256(x.data_ptr<at::BFloat16>(), M, K, xq) : quantize_x256(x.data_ptr<float>(), M, K, xq);
-  }
-  if (!std::all_of(types.begin(), types.end(), reads_x256)) {
-    bf16 ? quantize_x32(x.data_ptr<at::BFloat16>(), M, K, xq) : quantize_x32(x.data_ptr<float>(), M, K, xq);
-  }
-  // Task i is 16 outputs (fewer at a part's end) of one part: part_task[p] is part p's first.
-  // Worked out per task rather than listed: building the list was ~6 us of a 16384-row
-  // product's ~350 us at one row of x.
-  std::vector<int64_t> part_task(types.size() + 1, 0);
-  for (size_t p = 0; p < types.size(); ++p) {
-    TORCH_CHECK(!is_packed(types[p]) || packs_type(types[p] % kPacked), "gguf_linear: no packed kernel for type ",
-                types[p] % kPacked, " on this CPU");
-    part_task[p + 1] = part_task[p] + (parts.rows(p) + kGroup - 1) / kGroup;
-  }
-  struct Task {
-    size_t p;
-    int64_t r0, rows;
-  };
-  const auto task = [&](int64_t i) {
-    size_t p = 0;
-    while (part_task[p + 1] <= i) ++p;
-    const int64_t r0 = (i - part_task[p]) * kGroup;
-    return Task{p, r0, std::min(kGroup, parts.rows(p) - r0)};
-  };
-  // Threads claim runs of tasks as they go rather than an equal share each: on a CPU shared
-  // with the server's other processes (or a VM's neighbours), a thread that loses its core for
-  // a while delays only the run it holds, not the whole product. Which thread computes an
-  // output does not change its value. Runs are whole stages, so that a stage starts on a cache
-  // line of y wherever the parts' sizes allow. Claims shrink to half of what is left per
-  // thread as the product ends, down to a task: with runs of a fixed size the threads
-  // finished a one-row product up to a run apart, one of them idle meanwhile.
-  const int64_t count = part_task.back();
+  quantize_x(x, parts.types, xq);
+  const Tasks tasks(parts);
+  const int64_t count = tasks.count();
   const int64_t threads = std::min<int64_t>(at::get_num_threads(), count);
-  const int64_t share = count / (8 * std::max<int64_t>(threads, 1));
-  const int64_t run = std::max<int64_t>(1, (share + kStageTasks - 1) / kStageTasks) * kStageTasks;
-  std::atomic<int64_t> next{0};
-  const auto claim = [&](int64_t& take) {  // the first task of the next run, of `take` tasks
-    int64_t begin = next.load(std::memory_order_relaxed);
-    do {
-      const int64_t half_left = (count - begin + 2 * threads - 1) / (2 * threads);
-      take = half_left < kStageTasks ? half_left : std::min(run, (half_left + kStageTasks - 1) / kStageTasks * kStageTasks);
-    } while (begin < count && !next.compare_exchange_weak(begin, begin + take));
-    return begin;
-  };
-  const bool bf16_out = y.scalar_type() == at::kBFloat16;
+  RunClaims claims(count, threads);
   constexpr int64_t kStageWidth = kStageTasks * kGroup;
   at::parallel_for(0, threads, 1, [&](int64_t, int64_t) {
     std::vector<float> stage(M * kStageWidth);  // [M, 64]: a stage's outputs before they are written
     int64_t take = 0;
-    for (int64_t begin = claim(take); begin < count; begin = claim(take)) {
+    for (int64_t begin = claims.claim(take); begin < count; begin = claims.claim(take)) {
       const int64_t end = std::min(count, begin + take);
       for (int64_t s0 = begin; s0 < end; s0 += kStageTasks) {
-        int64_t width = 0;  // outputs staged so far: a stage's tasks are consecutive outputs
-        for (int64_t i = s0; i < std::min(end, s0 + kStageTasks); ++i) {
-          const Task t = task(i);
-          const int64_t type = types[t.p];
-          float* sums = stage.data() + width;
-          if (is_packed(type)) {
-            packed_rows(type % kPacked, parts.data[t.p] + t.r0 / kGroup * parts.row_bytes[t.p], K, xq, M, sums,
-                        kStageWidth);
-          } else {
-            for (int64_t r = 0; r < t.rows; ++r) {
-              const uint8_t* row = parts.data[t.p] + (t.r0 + r) * parts.row_bytes[t.p];
-              for (int64_t m0 = 0; m0 < M; m0 += kRowTile) {
-                dot_rows(type, row, K, xq, m0, std::min(kRowTile, M - m0), sums + r, kStageWidth);
-              }
-            }
-          }
-          width += t.rows;
-        }
-        const Task first = task(s0);
+        const int64_t width = stage_tasks(parts, tasks, s0, std::min(end, s0 + kStageTasks), xq, M, K, stage.data());
+        const Task first = tasks.at(s0);
         const int64_t n0 = parts.first[first.p] + first.r0;
-        if (bf16_out) {
+        if (y.scalar_type() == at::kBFloat16) {
           write_span(stage.data(), kStageWidth, M, n0, width, bias, y.data_ptr<at::BFloat16>(), parts.N);
         } else {
           write_span(stage.data(), kStageWidth, M, n0, width, bias, y.data_ptr<float>(), parts.N);
