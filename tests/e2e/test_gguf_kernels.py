@@ -253,3 +253,24 @@ def test_gguf_linear_refuses_bad_parts():
         torch.ops.srt_lite_cpu.gguf_linear(torch.randn(1, 512), [raw[:, :100]], [t.id], None, 16, False)
     with pytest.raises(RuntimeError, match="has no kernel"):
         torch.ops.srt_lite_cpu.gguf_linear(torch.randn(1, 512), [raw], [10], None, 16, False)
+
+
+@pytest.mark.skipif(not cpu_kernels.load(), reason="the C++ ops do not build here")
+@pytest.mark.parametrize("name", ["Q4_K", "Q6_K", "Q8_0", "Q5_0"])
+def test_a_registered_weight_computes_what_its_forward_does(name):
+    """The C++ decoder stack's products (a weight registered once, its parts checked then and
+    its K worked out from them) equal GGUFWeight.forward bit for bit, with the packed part
+    first or the unpacked one, at decode and prompt row counts; an x of another width is
+    refused, not read past its end."""
+    t = gguf_types.BY_NAME[name]
+    g = torch.Generator().manual_seed(10)
+    k = 512
+    raw = gguf_types.random_blocks(t, 40, k, g)
+    for parts in ([(t, raw[:32]), (t, raw[32:])], [(t, raw[32:]), (t, raw[:32])]):
+        weight = GGUFWeight(parts, k)
+        key = weight.cpp_key()
+        for rows in (1, 5, DOT_ROWS + 3):
+            x = torch.randn(rows, k, generator=g).bfloat16()
+            assert torch.equal(torch.ops.srt_lite_cpu.gguf_linear_registered(x, key, None), weight.forward(x)), rows
+        with pytest.raises(RuntimeError, match=f"x must be \\[M, {k}\\]"):
+            torch.ops.srt_lite_cpu.gguf_linear_registered(torch.randn(1, k - 32), key, None)
