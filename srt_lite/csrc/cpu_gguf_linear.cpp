@@ -493,68 +493,49 @@ inline void round_scaled(const T* x, int64_t n, float id, int8_t* q, int* sums) 
 // less time than waking the other threads costs.
 constexpr int64_t kQuantizeGrain = 1 << 14;  // values
 
-// x's per-256 fields (quantize_x256) sized for x [M, K], zeroed where they pad K to Kp.
-void size_x256(int64_t M, QuantizedX& xq) {
-  const int64_t Kp = xq.Kp;
+// Fills xq's per-256 fields from x [M, K] (K a multiple of 256).
+template <typename T>
+void quantize_x256(const T* x, int64_t M, int64_t K, QuantizedX& xq) {
+  const int64_t Kp = xq.Kp, blocks = K / 256;
   xq.q256.assign(M * Kp, 0);
   xq.d256.assign(M * Kp / 256, 0.f);
   xq.sum16.assign(M * Kp / 16, 0);
   xq.sum32.assign(M * Kp / 32, 0);
-}
-
-// Block i (row i / (K / 256), values 256 (i % (K / 256)) on) of x [M, K] into xq's per-256 fields.
-template <typename T>
-void quantize_block256(const T* x, int64_t K, int64_t i, QuantizedX& xq) {
-  const int64_t Kp = xq.Kp, blocks = K / 256;
-  const int64_t m = i / blocks, b = i % blocks;
-  const T* src = x + m * K + 256 * b;
-  const float d = abs_max(src, 256) / 127.f, id = d > 0.f ? 1.f / d : 0.f;
-  int sums[16];
-  round_scaled(src, 256, id, xq.q256.data() + m * Kp + 256 * b, sums);
-  int16_t* sum16 = xq.sum16.data() + (m * Kp + 256 * b) / 16;
-  for (int j = 0; j < 16; ++j) sum16[j] = static_cast<int16_t>(sums[j]);
-  for (int j = 0; j < 8; ++j) xq.sum32[(m * Kp + 256 * b) / 32 + j] = static_cast<int16_t>(sums[2 * j] + sums[2 * j + 1]);
-  xq.d256[(m * Kp) / 256 + b] = d;
-}
-
-// Fills xq's per-256 fields from x [M, K] (K a multiple of 256).
-template <typename T>
-void quantize_x256(const T* x, int64_t M, int64_t K, QuantizedX& xq) {
-  size_x256(M, xq);
-  at::parallel_for(0, M * (K / 256), kQuantizeGrain / 256, [&](int64_t begin, int64_t end) {
-    for (int64_t i = begin; i < end; ++i) quantize_block256(x, K, i, xq);
+  at::parallel_for(0, M * blocks, kQuantizeGrain / 256, [&](int64_t begin, int64_t end) {
+    for (int64_t i = begin; i < end; ++i) {
+      const int64_t m = i / blocks, b = i % blocks;
+      const T* src = x + m * K + 256 * b;
+      const float d = abs_max(src, 256) / 127.f, id = d > 0.f ? 1.f / d : 0.f;
+      int sums[16];
+      round_scaled(src, 256, id, xq.q256.data() + m * Kp + 256 * b, sums);
+      int16_t* sum16 = xq.sum16.data() + (m * Kp + 256 * b) / 16;
+      for (int j = 0; j < 16; ++j) sum16[j] = static_cast<int16_t>(sums[j]);
+      for (int j = 0; j < 8; ++j) xq.sum32[(m * Kp + 256 * b) / 32 + j] = static_cast<int16_t>(sums[2 * j] + sums[2 * j + 1]);
+      xq.d256[(m * Kp) / 256 + b] = d;
+    }
   });
-}
-
-// x's per-32 fields (quantize_x32) sized for x [M, K], zeroed where they pad K to Kp.
-void size_x32(int64_t M, QuantizedX& out) {
-  const int64_t Kp = out.Kp;
-  out.q.assign(M * Kp, 0);
-  out.dx4.assign(M * Kp / 4, 0.f);
-  out.sums.assign(M * Kp / 16, 0.f);
-}
-
-// Group i (row i / (K / 32), values 32 (i % (K / 32)) on) of x [M, K] into xq's per-32 fields.
-template <typename T>
-void quantize_group32(const T* x, int64_t K, int64_t i, QuantizedX& out) {
-  const int64_t Kp = out.Kp, groups = K / 32;
-  const int64_t m = i / groups, g = i % groups;
-  const T* src = x + m * K + 32 * g;
-  const float d = abs_max(src, 32) / 127.f, id = d > 0.f ? 1.f / d : 0.f;
-  int sum[2];
-  round_scaled(src, 32, id, out.q.data() + m * Kp + 32 * g, sum);
-  float* dx4 = out.dx4.data() + (m * Kp + 32 * g) / 4;
-  for (int l = 0; l < 8; ++l) dx4[l] = d;
-  out.sums[(m * Kp + 32 * g) / 16] = d * static_cast<float>(sum[0]);
-  out.sums[(m * Kp + 32 * g) / 16 + 1] = d * static_cast<float>(sum[1]);
 }
 
 // Fills xq's per-32 fields from x [M, K].
 template <typename T>
 void quantize_x32(const T* x, int64_t M, int64_t K, QuantizedX& out) {
-  size_x32(M, out);
-  at::parallel_for(0, M * (K / 32), kQuantizeGrain / 32, [&](int64_t begin, int64_t end) {
-    for (int64_t i = begin; i < end; ++i) quantize_group32(x, K, i, out);
+  const int64_t Kp = out.Kp;
+  out.q.assign(M * Kp, 0);
+  out.dx4.assign(M * Kp / 4, 0.f);
+  out.sums.assign(M * Kp / 16, 0.f);
+  const int64_t groups = K / 32;
+  at::parallel_for(0, M * groups, kQuantizeGrain / 32, [&](int64_t begin, int64_t end) {
+    for (int64_t i = begin; i < end; ++i) {
+      const int64_t m = i / groups, g = i % groups;
+      const T* src = x + m * K + 32 * g;
+      const float d = abs_max(src, 32) / 127.f, id = d > 0.f ? 1.f / d : 0.f;
+      int sum[2];
+      round_scaled(src, 32, id, out.q.data() + m * Kp + 32 * g, sum);
+      float* dx4 = out.dx4.data() + (m * Kp + 32 * g) / 4;
+      for (int l = 0; l < 8; ++l) dx4[l] = d;
+      out.sums[(m * Kp + 32 * g) / 16] = d * static_cast<float>(sum[0]);
+      out.sums[(m * Kp + 32 * g) / 16 + 1] = d * static_cast<float>(sum[1]);
+    }
   });
 }
 
