@@ -2139,10 +2139,17 @@ void release_gguf_weight(int64_t key) {
   if (key >= 0 && key < static_cast<int64_t>(g_registered.size())) g_registered[key].reset();
 }
 
+// GGUFWeight.forward of a registered weight (see srt_lite_ops::gguf_linear_registered).
+at::Tensor gguf_linear_registered(const at::Tensor& x, int64_t key, const std::optional<at::Tensor>& bias) {
+  return srt_lite_ops::gguf_linear_registered(x, key, bias, at::Tensor());
+}
+
+}  // namespace
+
 // GGUFWeight.forward of a registered weight: x in fp32 or bf16 as is, other dtypes in fp32.
 // Into `out` as parts_linear writes it.
-at::Tensor registered_linear(const at::Tensor& x, int64_t key, const std::optional<at::Tensor>& bias,
-                             const at::Tensor& out) {
+at::Tensor srt_lite_ops::gguf_linear_registered(const at::Tensor& x, int64_t key, const std::optional<at::Tensor>& bias,
+                                                const at::Tensor& out) {
   std::shared_ptr<const Registered> r;
   {
     std::lock_guard<std::mutex> lock(g_registered_mutex);
@@ -2156,17 +2163,6 @@ at::Tensor registered_linear(const at::Tensor& x, int64_t key, const std::option
   const bool mm_bf16 = xin.scalar_type() == at::kBFloat16 && r->mm_bf16;
   at::Tensor y = parts_linear(xin, r->checked, bias, r->dot_rows, mm_bf16, direct ? out : at::Tensor());
   return direct ? y : y.to(x.scalar_type());
-}
-
-at::Tensor gguf_linear_registered(const at::Tensor& x, int64_t key, const std::optional<at::Tensor>& bias) {
-  return registered_linear(x, key, bias, at::Tensor());
-}
-
-}  // namespace
-
-at::Tensor srt_lite_ops::gguf_linear_registered(const at::Tensor& x, int64_t key, const std::optional<at::Tensor>& bias,
-                                                const at::Tensor& out) {
-  return registered_linear(x, key, bias, out);
 }
 
 TORCH_LIBRARY_FRAGMENT(srt_lite_cpu, m) {

@@ -117,10 +117,14 @@ void rms_norm_rows(const T* x, const T* residual, const T* weight, T* out, T* h_
   });
 }
 
+}  // namespace
+
+namespace srt_lite_ops {
+
 // rms_norm_rows over tensors: x and, with a residual, h_out = x + residual (h_out may be the
 // residual itself); out = the normalised rows.
-void rms_norm_out(const at::Tensor& x, const at::Tensor* residual, const at::Tensor& weight, double eps, at::Tensor& out,
-                  at::Tensor* h_out) {
+void rms_norm_into(const at::Tensor& x, const at::Tensor* residual, const at::Tensor& weight, double eps,
+                   at::Tensor& out, at::Tensor* h_out) {
   const char* name = residual ? "add_rms_norm" : "rms_norm";
   check_rows(x, name);
   const int64_t n = x.size(-1);
@@ -139,27 +143,11 @@ void rms_norm_out(const at::Tensor& x, const at::Tensor* residual, const at::Ten
   });
 }
 
-// x [.., n], weight [n] -> RMSNorm(x) (see rms_norm_rows).
-at::Tensor rms_norm(const at::Tensor& x, const at::Tensor& weight, double eps) {
-  at::Tensor out = at::empty_like(x);
-  rms_norm_out(x, nullptr, weight, eps, out, nullptr);
-  return out;
-}
-
-// (RMSNorm(x + residual), x + residual): the decoder layer's residual stream and the next
-// sublayer's input in one pass.
-std::tuple<at::Tensor, at::Tensor> add_rms_norm(const at::Tensor& x, const at::Tensor& residual, const at::Tensor& weight,
-                                                double eps) {
-  TORCH_CHECK(residual.sizes() == x.sizes(), "add_rms_norm: residual like x");
-  at::Tensor out = at::empty_like(x), h = at::empty_like(x);
-  rms_norm_out(x, &residual, weight, eps, out, &h);
-  return {out, h};
-}
 
 // x [T, heads, D] with contiguous heads, cos / sin [T, D] (the [cos, cos] and [-sin, sin]
 // rows of RotaryEmbedding, in x's dtype) -> out [T, heads, D] = x * cos + rotate_half(x) * sin,
 // each product and the sum rounded to T as the torch ops round.
-void rope_out(const at::Tensor& x, const at::Tensor& cos, const at::Tensor& sin, at::Tensor& out) {
+void rope_into(const at::Tensor& x, const at::Tensor& cos, const at::Tensor& sin, at::Tensor& out) {
   TORCH_CHECK(x.dim() == 3 && x.stride(2) == 1 && x.stride(1) == x.size(2), "rope: x [T, heads, D] with contiguous heads");
   const int64_t T = x.size(0), H = x.size(1), D = x.size(2), half = D / 2;
   TORCH_CHECK(D % 2 == 0 && cos.is_contiguous() && sin.is_contiguous() && cos.numel() == T * D && sin.numel() == T * D &&
@@ -205,16 +193,10 @@ void rope_out(const at::Tensor& x, const at::Tensor& cos, const at::Tensor& sin,
   });
 }
 
-at::Tensor rope(const at::Tensor& x, const at::Tensor& cos, const at::Tensor& sin) {
-  TORCH_CHECK(x.dim() == 3, "rope: x [T, heads, D] with contiguous heads");
-  at::Tensor out = at::empty(x.sizes(), x.options());  // [T, heads, D]
-  rope_out(x, cos, sin, out);
-  return out;
-}
 
 // x [.., 2d] (gate | up) -> silu(gate) * up [.., d], silu rounded to T before the product as
-// F.silu(...) * up rounds; silu computed as torch's vectorised kernel computes it. Into out.
-void silu_and_mul_out(const at::Tensor& x, at::Tensor& out) {
+// F.silu(...) * up rounds; silu computed as torch's vectorised kernel computes it.
+void silu_and_mul_into(const at::Tensor& x, at::Tensor& out) {
   check_rows(x, "silu_and_mul");
   const int64_t n2 = x.size(-1), d = n2 / 2;
   TORCH_CHECK(n2 % 2 == 0, "silu_and_mul: an even last dimension");
@@ -249,31 +231,43 @@ void silu_and_mul_out(const at::Tensor& x, at::Tensor& out) {
   });
 }
 
+}  // namespace srt_lite_ops
+
+namespace {
+
+// x [.., n], weight [n] -> RMSNorm(x) (see rms_norm_rows).
+at::Tensor rms_norm(const at::Tensor& x, const at::Tensor& weight, double eps) {
+  at::Tensor out = at::empty_like(x);
+  srt_lite_ops::rms_norm_into(x, nullptr, weight, eps, out, nullptr);
+  return out;
+}
+
+// (RMSNorm(x + residual), x + residual): the decoder layer's residual stream and the next
+// sublayer's input in one pass.
+std::tuple<at::Tensor, at::Tensor> add_rms_norm(const at::Tensor& x, const at::Tensor& residual, const at::Tensor& weight,
+                                                double eps) {
+  TORCH_CHECK(residual.sizes() == x.sizes(), "add_rms_norm: residual like x");
+  at::Tensor out = at::empty_like(x), h = at::empty_like(x);
+  srt_lite_ops::rms_norm_into(x, &residual, weight, eps, out, &h);
+  return {out, h};
+}
+
+at::Tensor rope(const at::Tensor& x, const at::Tensor& cos, const at::Tensor& sin) {
+  at::Tensor out = at::empty(x.sizes(), x.options());  // [T, heads, D]
+  srt_lite_ops::rope_into(x, cos, sin, out);
+  return out;
+}
+
 at::Tensor silu_and_mul(const at::Tensor& x) {
   TORCH_CHECK(x.dim() >= 1, "silu_and_mul: contiguous rows");
   std::vector<int64_t> shape(x.sizes().begin(), x.sizes().end());
   shape.back() /= 2;
   at::Tensor out = at::empty(shape, x.options());  // [.., d]
-  silu_and_mul_out(x, out);
+  srt_lite_ops::silu_and_mul_into(x, out);
   return out;
 }
 
 }  // namespace
-
-namespace srt_lite_ops {
-
-void rms_norm_into(const at::Tensor& x, const at::Tensor* residual, const at::Tensor& weight, double eps,
-                   at::Tensor& out, at::Tensor* h_out) {
-  rms_norm_out(x, residual, weight, eps, out, h_out);
-}
-
-void rope_into(const at::Tensor& x, const at::Tensor& cos, const at::Tensor& sin, at::Tensor& out) {
-  rope_out(x, cos, sin, out);
-}
-
-void silu_and_mul_into(const at::Tensor& x, at::Tensor& out) { silu_and_mul_out(x, out); }
-
-}  // namespace srt_lite_ops
 
 TORCH_LIBRARY_FRAGMENT(srt_lite_cpu, m) {
   m.def("rms_norm(Tensor x, Tensor weight, float eps) -> Tensor");
