@@ -32,6 +32,7 @@ import torch
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))
 
+from bandwidth import read_rates_gbs  # noqa: E402
 from bench_serving import RESULTS_DIR, parse_args as serving_args, run_benchmark  # noqa: E402
 
 SHAPE = {"hidden": 2048, "layers": 16, "heads": 32, "kv_heads": 8, "intermediate": 8192, "vocab": 128256}
@@ -62,17 +63,11 @@ def make_model(path: str, hidden: int, layers: int, heads: int, kv_heads: int, i
 
 
 def read_bandwidth_gbs(gib: float = 1.0, repeats: int = 9) -> tuple[float, float]:
-    """GB/s of reading a buffer `gib` GiB large (summing it with every torch thread), as (best,
-    median) of `repeats`. The best is what a decode step that streams the weights can at most
-    get, so the roofline uses it; a shared host's bandwidth moves between runs (the median
-    shows by how much)."""
-    x = torch.ones(int(gib * 2**30) // 4, dtype=torch.float32)  # [N] far past the caches
-    x.sum()  # first touch
-    rates = []
-    for _ in range(repeats):
-        t0 = time.perf_counter()
-        x.sum()
-        rates.append(x.numel() * 4 / (time.perf_counter() - t0) / 1e9)
+    """GB/s of reading a buffer `gib` GiB large with every torch thread (bandwidth.py), as
+    (best, median) of `repeats` reads of each kind. The best is what a decode step that
+    streams the weights can at most get, so the roofline uses it; a shared host's bandwidth
+    moves between runs (the median shows by how much)."""
+    rates = read_rates_gbs(0.0, gib, min_reads=repeats)
     return max(rates), statistics.median(rates)
 
 

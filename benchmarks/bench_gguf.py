@@ -25,7 +25,7 @@ Reported: medians over the rounds, every round's figures, and the one-stream rat
 per round (the two engines' requests of a round ran seconds apart) with its median, which
 is the figure to quote. Also each server's start time and memory (PSS summed over its
 processes), and the roofline fraction of single-stream decode against the best read
-bandwidth measured in the run (the file's tensor bytes per token).
+bandwidth measured in the run (bandwidth.py's probe; the file's tensor bytes per token).
 """
 
 from __future__ import annotations
@@ -43,6 +43,10 @@ from pathlib import Path
 import httpx
 import numpy as np
 import psutil
+
+sys.path.insert(0, str(Path(__file__).resolve().parent))
+
+from bandwidth import read_rates_gbs  # noqa: E402
 
 ROOT = Path(__file__).resolve().parent.parent
 SHAPE_1B = {"hidden": 2048, "layers": 16, "heads": 32, "kv_heads": 8, "intermediate": 8192, "vocab": 128256}
@@ -184,18 +188,8 @@ def make(out: str) -> None:
 # ---- run ----------------------------------------------------------------------------------
 
 def read_bandwidth_gbs(seconds: float = 3.0) -> float:
-    """Best read bandwidth of several multi-threaded sums over a buffer far larger than the
-    caches (torch's reduction uses every core)."""
-    import torch
-
-    buf = torch.ones(512 * 2**20 // 4)  # 512 MiB, touched
-    best = 0.0
-    end = time.perf_counter() + seconds
-    while time.perf_counter() < end:
-        t0 = time.perf_counter()
-        buf.sum()
-        best = max(best, buf.numel() * 4 / (time.perf_counter() - t0) / 1e9)
-    return best
+    """The best read of the probe (bandwidth.py) over `seconds`."""
+    return max(read_rates_gbs(seconds))
 
 
 def tensor_bytes(path: str) -> int:

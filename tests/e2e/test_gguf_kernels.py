@@ -274,3 +274,30 @@ def test_a_registered_weight_computes_what_its_forward_does(name):
             assert torch.equal(torch.ops.srt_lite_cpu.gguf_linear_registered(x, key, None), weight.forward(x)), rows
         with pytest.raises(RuntimeError, match=f"x must be \\[M, {k}\\]"):
             torch.ops.srt_lite_cpu.gguf_linear_registered(torch.randn(1, k - 32), key, None)
+
+
+@pytest.mark.skipif(not cpu_kernels.load(), reason="the C++ ops do not build here")
+def test_every_thread_count_computes_every_output_once():
+    """The products' threads each stream a share of the outputs and take halves of what the
+    others have left: with more threads than cores (so that some lose theirs midway and
+    their shares are taken), with shares of a few tasks and more threads than tasks, every
+    output is the one-thread result bit for bit."""
+    t = gguf_types.BY_NAME["Q4_K"]
+    g = torch.Generator().manual_seed(11)
+    k = 256
+    raw = gguf_types.random_blocks(t, 16 * 37 + 5, k, g)  # 37 packed groups and 5 rows unpacked
+    weight = GGUFWeight([(t, raw[: 16 * 37]), (t, raw[16 * 37 :])], k)
+    small = GGUFWeight([(t, raw[:16])], k)  # one task
+    before = torch.get_num_threads()
+    try:
+        for w in (weight, small):
+            for rows in (1, 5):
+                x = torch.randn(rows, k, generator=g)
+                torch.set_num_threads(1)
+                want = w.forward(x)
+                for threads in (2, 3, 8):
+                    torch.set_num_threads(threads)
+                    for _ in range(20):
+                        assert torch.equal(w.forward(x), want), (w.rows, rows, threads)
+    finally:
+        torch.set_num_threads(before)
