@@ -1859,13 +1859,13 @@ class Tasks {
 // a thread whose share is done takes the back half of what is left of the share with the
 // most left. One stream a thread: each new run a thread starts, its memory stream starts cold
 // (at one row of x the kernels leave the reading ahead to the hardware prefetcher), and with
-// runs of 1/16 of a product the small products streamed ~10% slower than in two halves. The
-// taking keeps what runs of a shared counter gave: on a CPU shared with the server's other
-// processes (or a VM's neighbours) a thread that loses its core for a while holds up only
-// the stage it is on, and the threads end within about a task of each other. Which thread
-// computes an output does not change its value. Shares and the halves taken start on a
-// stage (a stage starts on a cache line of y wherever the parts' sizes allow) until less than
-// two stages are left.
+// runs of a fixed fraction of a product the small products streamed well below the big ones
+// (docs/development.md, "one stream a thread"). The taking keeps what runs of a shared
+// counter gave: on a CPU shared with the server's other processes (or a VM's neighbours) a
+// thread that loses its core for a while holds up only the stage it is on, and the threads
+// end within about a task of each other. Which thread computes an output does not change its
+// value. Shares and the halves taken start on a stage (a stage starts on a cache line of y
+// wherever the parts' sizes allow) until less than two stages are left.
 class ShareClaims {
  public:
   ShareClaims(int64_t count, int64_t threads) : threads_(std::max<int64_t>(threads, 1)), shares_(threads_) {
