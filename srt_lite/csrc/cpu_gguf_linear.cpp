@@ -962,9 +962,11 @@ void dot_rows(int64_t type, const uint8_t* row, int64_t K, const QuantizedX& xq,
 // the x bytes and the scale steps serve 16 rows, no lane sum is left to reduce at the end of a
 // row, and the 16 outputs are stored in one go. llama.cpp's Q4_K_8x8 repack follows the same
 // idea. The repack keeps every bit of the file's blocks (unpack_row gives them back exactly),
-// a packed group of a block takes 16 times the block's bytes plus, for Q4_K and Q5_K, 32 bytes
-// of unpacked scales. Per 16-row group and block, in order:
-//   Q4_K: d fp16 [16] | dmin fp16 [16] | sc u8 [8 sub-blocks][16] | min u8 [4 pairs][16][2] |
+// and a packed group of a block takes 16 times the block's bytes. Per 16-row group and block,
+// in order:
+//   Q4_K: d fp16 [16] | dmin fp16 [16] | scales [3][16][4]: word i of row r is the file's 6-bit
+//         scales and minimums, bytes 4i .. 4i + 3 (kept packed: unpacked, they took 64 more
+//         bytes a group, ~3% more to read, against a few ops a block to unpack) |
 //         qs [4 chunks][8][16][4]: byte t of group (c, j) of row r is the file's qs[32c + 4j + t]
 //         (low nibble weight 64c + 4j + t, high nibble 64c + 32 + 4j + t).
 //   Q5_K: Q4_K's fields, then qh [8][16][4]: byte t of group j of row r is the file's
@@ -989,15 +991,18 @@ constexpr int64_t kQ80PrefetchAhead = 4;  // Q8_0 blocks (8.5 lines each) betwee
 constexpr int64_t kSmallPrefetchAhead = 4;  // Q4_0-Q5_1 blocks (4.5-6 lines each), likewise
 
 inline bool is_packed(int64_t type) { return type >= kPacked; }
-constexpr int64_t kQ4kGroupBytes = 2368;  // a packed Q4_K block of 16 rows; Q5_K's qh start there
-constexpr int64_t kQ5kGroupBytes = 2880;
+// Where a packed Q4_K / Q5_K block's scale words i (0-2) and its codes start.
+constexpr int64_t k4_scales_at(int64_t i) { return 64 + 64 * i; }
+constexpr int64_t kK4CodesAt = 256;
+constexpr int64_t kQ4kGroupBytes = 2304;  // a packed Q4_K block of 16 rows; Q5_K's qh start there
+constexpr int64_t kQ5kGroupBytes = 2816;
 // A packed Q4_K (kQ5: Q5_K) block: its bytes, and its lines asked for ahead per chunk.
 template <bool kQ5>
 constexpr int64_t k4_group_bytes() { return kQ5 ? kQ5kGroupBytes : kQ4kGroupBytes; }
 #if defined(__AVX2__)
 template <bool kQ5>
-inline void prefetch_k4_chunk(const uint8_t* in, int c) {  // 37 (Q5_K: 45) lines over 4 chunks
-  prefetch_ahead<kQ5 ? 12 : 10>(in + (kQ5 ? 768 : 640) * c, k4_group_bytes<kQ5>());
+inline void prefetch_k4_chunk(const uint8_t* in, int c) {  // 36 (Q5_K: 44) lines over 4 chunks
+  prefetch_ahead<kQ5 ? 11 : 9>(in + (kQ5 ? 704 : 576) * c, k4_group_bytes<kQ5>());
 }
 #endif
 
@@ -1080,14 +1085,10 @@ void repack_group(int64_t type, const uint8_t* src, int64_t row_bytes, int64_t K
       } else if (type == kQ4_K || type == kQ5_K) {
         std::memcpy(out + 2 * r, blk, 2);
         std::memcpy(out + 32 + 2 * r, blk + 2, 2);
-        uint32_t w[4];
-        k4_scales_mins(blk + 4, w);
-        const uint8_t* sm = reinterpret_cast<const uint8_t*>(w);
-        for (int s = 0; s < 8; ++s) out[64 + s * kGroup + r] = sm[s];
-        for (int s = 0; s < 8; ++s) out[192 + ((s / 2) * kGroup + r) * 2 + s % 2] = sm[8 + s];
+        for (int64_t i = 0; i < 3; ++i) std::memcpy(out + k4_scales_at(i) + 4 * r, blk + 4 + 4 * i, 4);
         const uint8_t* qs = blk + (type == kQ5_K ? 48 : 16);
         for (int64_t c = 0; c < 4; ++c) {
-          for (int64_t j = 0; j < 8; ++j) std::memcpy(out + 320 + granule(8, c, j, r), qs + 32 * c + 4 * j, 4);
+          for (int64_t j = 0; j < 8; ++j) std::memcpy(out + kK4CodesAt + granule(8, c, j, r), qs + 32 * c + 4 * j, 4);
         }
         if (type == kQ5_K) {
           for (int64_t j = 0; j < 8; ++j) std::memcpy(out + kQ4kGroupBytes + granule(8, 0, j, r), blk + 16 + 4 * j, 4);
@@ -1133,20 +1134,10 @@ void unpack_row(int64_t type, const uint8_t* group, int64_t K, int64_t r, uint8_
     } else if (type == kQ4_K || type == kQ5_K) {
       std::memcpy(blk, in + 2 * r, 2);
       std::memcpy(blk + 2, in + 32 + 2 * r, 2);
-      uint8_t sc[8], mn[8];
-      for (int s = 0; s < 8; ++s) {
-        sc[s] = in[64 + s * kGroup + r];
-        mn[s] = in[192 + ((s / 2) * kGroup + r) * 2 + s % 2];
-      }
-      uint8_t* q = blk + 4;  // the inverse of k4_scales_mins
-      for (int j = 0; j < 4; ++j) {
-        q[j] = sc[j] | ((sc[j + 4] >> 4) << 6);
-        q[j + 4] = mn[j] | ((mn[j + 4] >> 4) << 6);
-        q[j + 8] = (sc[j + 4] & 0xF) | ((mn[j + 4] & 0xF) << 4);
-      }
+      for (int64_t i = 0; i < 3; ++i) std::memcpy(blk + 4 + 4 * i, in + k4_scales_at(i) + 4 * r, 4);
       uint8_t* qs = blk + (type == kQ5_K ? 48 : 16);
       for (int64_t c = 0; c < 4; ++c) {
-        for (int64_t j = 0; j < 8; ++j) std::memcpy(qs + 32 * c + 4 * j, in + 320 + granule(8, c, j, r), 4);
+        for (int64_t j = 0; j < 8; ++j) std::memcpy(qs + 32 * c + 4 * j, in + kK4CodesAt + granule(8, c, j, r), 4);
       }
       if (type == kQ5_K) {
         for (int64_t j = 0; j < 8; ++j) std::memcpy(blk + 16 + 4 * j, in + kQ4kGroupBytes + granule(8, 0, j, r), 4);
@@ -1183,6 +1174,33 @@ inline __m512 halves16(const uint8_t* p) {  // 16 fp16 values to fp32
 // leaves the vector units mostly idle at 4 rows). Integer sums are exact, and each row's float
 // steps come in the same order whatever MR is, so a row's result does not depend on its tile.
 
+// The 6-bit scales and minimums of 16 rows' Q4_K / Q5_K blocks, unpacked from their file form
+// (k4_scales_mins on every row at once): byte s of lane r of sc[h] is row r's scale of
+// sub-block 4h + s, and mn[h] holds the minimums likewise.
+__attribute__((target("avx512f,avx512bw"))) inline void k4_scales16(const uint8_t* in, __m512i sc[2], __m512i mn[2]) {
+  const __m512i w0 = _mm512_loadu_si512(in + k4_scales_at(0)), w1 = _mm512_loadu_si512(in + k4_scales_at(1)),
+                w2 = _mm512_loadu_si512(in + k4_scales_at(2));
+  const __m512i m6 = _mm512_set1_epi8(0x3F), m4 = _mm512_set1_epi8(0xF), top = _mm512_set1_epi8(0x30);
+  sc[0] = _mm512_and_si512(w0, m6);
+  mn[0] = _mm512_and_si512(w1, m6);
+  // A byte's top two bits land at bits 4-5 of the same byte after a 16-bit shift by 2.
+  sc[1] = _mm512_or_si512(_mm512_and_si512(w2, m4), _mm512_and_si512(_mm512_srli_epi16(w0, 2), top));
+  mn[1] = _mm512_or_si512(_mm512_and_si512(_mm512_srli_epi16(w2, 4), m4), _mm512_and_si512(_mm512_srli_epi16(w1, 2), top));
+}
+
+// vpshufb controls that take, in each 32-bit lane, byte s as an int32 (byte_lane) or bytes s and
+// s + 1 as the two int16 halves (pair_lanes): a packed K-quant's per-row scales into the
+// lanes the dot products sum in.
+inline __m512i byte_lane(int s) {
+  const int b = s | 0x80808000;
+  return _mm512_set4_epi32(b + 12, b + 8, b + 4, b);
+}
+inline __m512i pair_lanes(int s) {
+  const int b = s | ((s + 1) << 16) | static_cast<int>(0x80008000u);
+  const int step = 4 | (4 << 16);
+  return _mm512_set4_epi32(b + 3 * step, b + 2 * step, b + step, b);
+}
+
 // Rows [m0, m0 + MR) of x against a packed group of 16 outputs, into y[m * ldy + 0 .. 15].
 // Per super-block: int32 sums of each sub-block times its scale, then one float step with
 // d * dx (x quantized per 256 as llama.cpp's q8_K), as the unpacked K-quant path does.
@@ -1196,7 +1214,9 @@ void packed_q4k(const uint8_t* group, int64_t K, const QuantizedX& xq, int64_t m
   for (int m = 0; m < MR; ++m) acc[m] = _mm512_setzero_ps();
   for (int64_t b = 0; b < K / 256; ++b) {
     const uint8_t* in = group + b * kBytes;
-    if constexpr (MR == 1) touch_lines<5>(in);  // d, dmin, scales and mins: bytes [0, 320)
+    if constexpr (MR == 1) touch_lines<4>(in);  // d, dmin, scales and mins: bytes [0, 256)
+    __m512i sc[2], mn[2];
+    k4_scales16(in, sc, mn);
     __m512i isum[MR], imin[MR];
     for (int m = 0; m < MR; ++m) isum[m] = imin[m] = _mm512_setzero_si512();
     for (int c = 0; c < 4; ++c) {
@@ -1208,7 +1228,7 @@ void packed_q4k(const uint8_t* group, int64_t K, const QuantizedX& xq, int64_t m
         a0[m] = a1[m] = _mm512_setzero_si512();
       }
       for (int j = 0; j < 8; ++j) {
-        const __m512i v = _mm512_loadu_si512(in + 320 + granule(8, c, j, 0));
+        const __m512i v = _mm512_loadu_si512(in + kK4CodesAt + granule(8, c, j, 0));
         __m512i lo = _mm512_and_si512(v, m4), hi = _mm512_and_si512(_mm512_srli_epi16(v, 4), m4);
         if constexpr (kQ5) {  // bits 2c and 2c + 1 of qh to bit 4 of lo and hi
           const __m512i h = _mm512_srl_epi16(_mm512_loadu_si512(in + kQ4kGroupBytes + granule(8, 0, j, 0)), _mm_cvtsi32_si128(2 * c));
@@ -1220,9 +1240,11 @@ void packed_q4k(const uint8_t* group, int64_t K, const QuantizedX& xq, int64_t m
           a1[m] = _mm512_dpbusd_epi32(a1[m], hi, bcast4(q[m] + 32 + 4 * j));
         }
       }
-      const __m512i sc_lo = _mm512_cvtepu8_epi32(_mm_loadu_si128(reinterpret_cast<const __m128i*>(in + 64 + 32 * c)));
-      const __m512i sc_hi = _mm512_cvtepu8_epi32(_mm_loadu_si128(reinterpret_cast<const __m128i*>(in + 80 + 32 * c)));
-      const __m512i mins = _mm512_cvtepu8_epi16(_mm256_loadu_si256(reinterpret_cast<const __m256i*>(in + 192 + 32 * c)));
+      // Sub-blocks 2c and 2c + 1: bytes s and s + 1 of word c / 2.
+      const int s = 2 * (c % 2);
+      const __m512i sc_lo = _mm512_shuffle_epi8(sc[c / 2], byte_lane(s));
+      const __m512i sc_hi = _mm512_shuffle_epi8(sc[c / 2], byte_lane(s + 1));
+      const __m512i mins = _mm512_shuffle_epi8(mn[c / 2], pair_lanes(s));
       for (int m = 0; m < MR; ++m) {
         isum[m] = _mm512_add_epi32(isum[m], _mm512_add_epi32(_mm512_mullo_epi32(a0[m], sc_lo), _mm512_mullo_epi32(a1[m], sc_hi)));
         int32_t pair;  // the sums of x over sub-blocks 2c and 2c + 1, as two int16
@@ -1430,11 +1452,25 @@ inline __m256i bcast4_256(const int8_t* p) {  // 4 bytes of x in every lane
   return _mm256_set1_epi32(v);
 }
 
-// 8 rows' unsigned 8-bit scales (8 bytes) as both int16 halves of each row's int32 lane.
-inline __m256i row_scales_u8(const uint8_t* p) {
-  const __m256i v = _mm256_cvtepu8_epi32(_mm_loadl_epi64(reinterpret_cast<const __m128i*>(p)));
-  return _mm256_or_si256(v, _mm256_slli_epi32(v, 16));
+// The 6-bit scales (mins = false) or minimums of sub-blocks 4h .. 4h + 3 of 8 rows' packed
+// Q4_K / Q5_K blocks (rows 8 hf on), byte s of each row's lane for sub-block 4h + s: k4_scales16
+// for a half group.
+inline __m256i k4_scales8(const uint8_t* in, int hf, int h, bool mins) {
+  const __m256i own = load32(in + k4_scales_at(mins ? 1 : 0) + 32 * hf);
+  if (h == 0) return _mm256_and_si256(own, _mm256_set1_epi8(0x3F));
+  const __m256i w2 = load32(in + k4_scales_at(2) + 32 * hf);
+  const __m256i low = mins ? _mm256_srli_epi16(w2, 4) : w2;
+  return _mm256_or_si256(_mm256_and_si256(low, _mm256_set1_epi8(0xF)),
+                         _mm256_and_si256(_mm256_srli_epi16(own, 2), _mm256_set1_epi8(0x30)));
 }
+
+// vpshufb controls as byte_lane and pair_lanes above: byte s of each 32-bit lane into both its
+// int16 halves (a row's scale for vpmaddwd), or bytes s and s + 1 into the two halves.
+inline __m256i byte_both_halves(int s) {
+  const int b = s | (s << 16) | static_cast<int>(0x80008000u), step = 4 | (4 << 16);
+  return _mm256_setr_epi32(b, b + step, b + 2 * step, b + 3 * step, b, b + step, b + 2 * step, b + 3 * step);
+}
+inline __m256i pair_halves(int s) { return _mm256_add_epi32(byte_both_halves(s), _mm256_set1_epi32(1 << 16)); }
 
 inline __m256 halves8(const uint8_t* p) {  // 8 fp16 values to fp32
   return _mm256_cvtph_ps(_mm_loadu_si128(reinterpret_cast<const __m128i*>(p)));
@@ -1464,14 +1500,16 @@ inline void q4k_block_halves(const uint8_t* in, int64_t b, int hf0, const Quanti
     // half 1 reads what half 0 did.
     if (hf0 == 0) prefetch_k4_chunk<kQ5>(in, c);
     __m256i sc_lo[NH], sc_hi[NH];
+    const int s = 2 * (c % 2);  // sub-blocks 2c and 2c + 1: bytes s and s + 1 of word c / 2
     for (int h = 0; h < NH; ++h) {
-      sc_lo[h] = row_scales_u8(in + 64 + 32 * c + 8 * (hf0 + h));
-      sc_hi[h] = row_scales_u8(in + 80 + 32 * c + 8 * (hf0 + h));
+      const __m256i sc = k4_scales8(in, hf0 + h, c / 2, false);
+      sc_lo[h] = _mm256_shuffle_epi8(sc, byte_both_halves(s));
+      sc_hi[h] = _mm256_shuffle_epi8(sc, byte_both_halves(s + 1));
     }
     for (int j = 0; j < 8; ++j) {
       for (int h = 0; h < NH; ++h) {
         const int64_t hf = hf0 + h;
-        const __m256i v = _mm256_loadu_si256(reinterpret_cast<const __m256i*>(in + 320 + granule(8, c, j, 8 * hf)));
+        const __m256i v = _mm256_loadu_si256(reinterpret_cast<const __m256i*>(in + kK4CodesAt + granule(8, c, j, 8 * hf)));
         __m256i lo = _mm256_and_si256(v, m4), hi = _mm256_and_si256(_mm256_srli_epi16(v, 4), m4);
         if constexpr (kQ5) {  // bits 2c and 2c + 1 of qh to bit 4 of lo and hi
           const __m256i hb = _mm256_srl_epi16(_mm256_loadu_si256(reinterpret_cast<const __m256i*>(in + kQ4kGroupBytes + granule(8, 0, j, 8 * hf))),
@@ -1495,7 +1533,7 @@ inline void q4k_block_halves(const uint8_t* in, int64_t b, int hf0, const Quanti
       }
     }
     for (int h = 0; h < NH; ++h) {
-      const __m256i mins = _mm256_cvtepu8_epi16(_mm_loadu_si128(reinterpret_cast<const __m128i*>(in + 192 + 32 * c + 16 * (hf0 + h))));
+      const __m256i mins = _mm256_shuffle_epi8(k4_scales8(in, hf0 + h, c / 2, true), pair_halves(s));
       for (int m = 0; m < MR; ++m) {
         int32_t pair;  // the sums of x over sub-blocks 2c and 2c + 1, as two int16
         std::memcpy(&pair, xq.sum32.data() + ((m0 + m) * xq.Kp + 256 * b) / 32 + 2 * c, 4);

@@ -168,7 +168,7 @@ def test_packed_copies_lie_back_to_back_on_2mib_arenas():
         follows = b.data_ptr() == a.data_ptr() + (a.numel() + 63) // 64 * 64
         assert follows or b.data_ptr() % huge == 0  # the next one, or a fresh arena
     assert all(p.data_ptr() % 64 == 0 for p in small)
-    big_raw = gguf_types.random_blocks(t, 16 * 3600, 2048, gen)  # packs to 65 MiB
+    big_raw = gguf_types.random_blocks(t, 16 * 3700, 2048, gen)  # packs to 65 MiB
     big = torch.ops.srt_lite_cpu.gguf_repack(big_raw, t.id, 2048)
     assert big.numel() > 64 * 2**20 and big.data_ptr() % huge == 0
     assert torch.equal(torch.ops.srt_lite_cpu.gguf_dequantize(big[-1:], t.id + PACKED_ID, 2048),
