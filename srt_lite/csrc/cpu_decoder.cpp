@@ -1,4 +1,4 @@
-// A Llama-family decoder stack's layers in one call, for the CPU steps whose attention is one
+// A Llama-family decoder stack's layers (and the model's final norm) in one call, for the CPU steps whose attention is one
 // token cascade (every decode step, verify steps over a shared prefix, and with
 // batch-invariant inference every step: its rows then share no prefix).
 //
@@ -21,6 +21,7 @@
 #include <memory>
 #include <mutex>
 #include <optional>
+#include <utility>
 #include <vector>
 
 namespace {
@@ -67,6 +68,9 @@ struct Stack {
   int64_t bounds[kRowClasses - 1];
   int64_t heads, kv_heads, head_dim;
   double eps;
+  at::Tensor final_norm;  // the model's norm after the last layer
+  double final_eps;
+  at::Tensor cos_table, sin_table;  // RoPE: fp32 [max_position, head_dim / 2] (RotaryEmbedding's caches)
 };
 
 // Registered stacks by key; a model releases its own (release_decoder_stack) when dropped.
@@ -141,9 +145,13 @@ void linear(const Linear& l, int64_t cls, const at::Tensor& x, at::Tensor& buf) 
 // tensors: per layer, the input and post-attention norm weights, then per linear its bias
 // (or none) and per row class its two tensors (the second none where the product has one);
 // kinds: per layer, per linear, whether its bias is added after the product, then per row
-// class (kind, n). bounds: the row classes' limits.
+// class (kind, n). bounds: the row classes' limits. final_norm / final_eps: the model's norm
+// after the last layer; cos_table / sin_table: the RoPE tables the rows of a step's positions
+// are taken from.
 int64_t register_decoder_stack(const c10::List<std::optional<at::Tensor>>& tensors, at::IntArrayRef kinds,
-                               at::IntArrayRef bounds, int64_t heads, int64_t kv_heads, int64_t head_dim, double eps) {
+                               at::IntArrayRef bounds, int64_t heads, int64_t kv_heads, int64_t head_dim, double eps,
+                               const at::Tensor& final_norm, double final_eps, const at::Tensor& cos_table,
+                               const at::Tensor& sin_table) {
   constexpr int64_t per_layer_tensors = 2 + kLinears * (1 + 2 * kRowClasses);
   constexpr int64_t per_layer_kinds = kLinears * (1 + kRowClasses * 2);
   const int64_t n_layers = static_cast<int64_t>(kinds.size()) / per_layer_kinds;
@@ -158,6 +166,14 @@ int64_t register_decoder_stack(const c10::List<std::optional<at::Tensor>>& tenso
   st->kv_heads = kv_heads;
   st->head_dim = head_dim;
   st->eps = eps;
+  TORCH_CHECK(cos_table.dim() == 2 && cos_table.size(1) * 2 == head_dim && cos_table.scalar_type() == at::kFloat &&
+                  cos_table.is_contiguous() && sin_table.sizes() == cos_table.sizes() &&
+                  sin_table.scalar_type() == at::kFloat && sin_table.is_contiguous(),
+              "decoder stack: RoPE tables fp32 [positions, head_dim / 2]");
+  st->final_norm = final_norm;
+  st->final_eps = final_eps;
+  st->cos_table = cos_table;
+  st->sin_table = sin_table;
   int64_t t = 0, k = 0;
   auto next = [&]() -> std::optional<at::Tensor> { return tensors.get(t++); };
   for (int64_t i = 0; i < n_layers; ++i) {
@@ -191,12 +207,40 @@ void release_decoder_stack(int64_t key) {
   if (key >= 0 && key < static_cast<int64_t>(stacks.size())) stacks[key].reset();
 }
 
-// Every layer of stack `key` for the step's T tokens: hidden [T, hidden] (the embedding's
-// output), cos / sin the step's RoPE rows ([T, 1, D]), the cascade's metadata as
-// srt_lite_cpu::cascade_attention takes it, and each layer's KV buffers. Returns the last
-// layer's (output, residual), which the model's final norm adds and normalises.
-std::tuple<at::Tensor, at::Tensor> decoder_layers(
-    int64_t key, const at::Tensor& hidden, const at::Tensor& cos, const at::Tensor& sin, const at::Tensor& loc,
+// The RoPE rows of `positions` [T] in `dtype`, as RotaryEmbedding._lookup_cos_sin builds them:
+// cos [T, 1, D] = [c, c] and sin = [-s, s], each table value rounded to dtype first.
+std::pair<at::Tensor, at::Tensor> rope_rows(const Stack& st, const at::Tensor& positions, at::ScalarType dtype) {
+  TORCH_CHECK(positions.dim() == 1 && positions.scalar_type() == at::kLong, "decoder stack: positions [T] int64");
+  const at::Tensor pos = positions.contiguous();
+  const int64_t T = pos.size(0), half = st.cos_table.size(1), max_pos = st.cos_table.size(0);
+  at::Tensor cos = at::empty({T, 1, 2 * half}, st.cos_table.options().dtype(dtype));  // [T, 1, D]
+  at::Tensor sin = at::empty_like(cos);
+  const int64_t* p = pos.data_ptr<int64_t>();
+  const float* ct = st.cos_table.data_ptr<float>();
+  const float* stab = st.sin_table.data_ptr<float>();
+  AT_DISPATCH_FLOATING_TYPES_AND2(at::kBFloat16, at::kHalf, dtype, "rope_rows", [&] {
+    scalar_t* c = cos.data_ptr<scalar_t>();
+    scalar_t* s = sin.data_ptr<scalar_t>();
+    for (int64_t t = 0; t < T; ++t) {
+      TORCH_CHECK(p[t] >= 0 && p[t] < max_pos, "decoder stack: position ", p[t], " outside the RoPE table");
+      for (int64_t i = 0; i < half; ++i) {
+        const scalar_t cv = static_cast<scalar_t>(ct[p[t] * half + i]);
+        const scalar_t sv = static_cast<scalar_t>(stab[p[t] * half + i]);
+        c[t * 2 * half + i] = c[t * 2 * half + half + i] = cv;
+        s[t * 2 * half + i] = -sv;
+        s[t * 2 * half + half + i] = sv;
+      }
+    }
+  });
+  return {cos, sin};
+}
+
+// Every layer of stack `key` for the step's T tokens, then the model's final norm: hidden
+// [T, hidden] (the embedding's output), positions [T] (the RoPE rows' indices), the cascade's
+// metadata as srt_lite_cpu::cascade_attention takes it, and each layer's KV buffers. Returns
+// the final norm's output [T, hidden].
+at::Tensor decoder_layers(
+    int64_t key, const at::Tensor& hidden, const at::Tensor& positions, const at::Tensor& loc,
     const at::Tensor& suffix_index, const at::Tensor& q_off, const at::Tensor& k_off, int64_t prefix_start,
     int64_t prefix_len, const at::Tensor& prefix_index, double scale, at::TensorList k_bufs, at::TensorList v_bufs) {
   std::shared_ptr<const Stack> st;
@@ -213,6 +257,8 @@ std::tuple<at::Tensor, at::Tensor> decoder_layers(
   const int64_t T = hidden.size(0), n = hidden.size(1), H = st->heads, Hkv = st->kv_heads, D = st->head_dim;
   const int64_t q_size = H * D, kv_size = Hkv * D;
   const int64_t cls = T <= st->bounds[0] ? 0 : T <= st->bounds[1] ? 1 : 2;
+  TORCH_CHECK(positions.numel() == T, "decoder stack: one position per token");
+  const auto [cos, sin] = rope_rows(*st, positions, hidden.scalar_type());
   // The step's activations, each written by every layer in turn (the ops in between are
   // called directly: see cpu_ops.h).
   const auto opts = hidden.options();
@@ -245,7 +291,9 @@ std::tuple<at::Tensor, at::Tensor> decoder_layers(
     srt_lite_ops::silu_and_mul_into(gate_up, act);
     linear(layer.linears[3], cls, act, h);
   }
-  return {h, residual};
+  // The residual's last sum is dropped, as the model's forward drops it.
+  srt_lite_ops::rms_norm_into(h, &residual, st->final_norm, st->final_eps, normed, &residual);
+  return normed;
 }
 
 }  // namespace
@@ -253,12 +301,12 @@ std::tuple<at::Tensor, at::Tensor> decoder_layers(
 TORCH_LIBRARY_FRAGMENT(srt_lite_cpu, m) {
   m.def(
       "register_decoder_stack(Tensor?[] tensors, int[] kinds, int[] bounds, int heads, int kv_heads, int head_dim, "
-      "float eps) -> int");
+      "float eps, Tensor final_norm, float final_eps, Tensor cos_table, Tensor sin_table) -> int");
   m.def("release_decoder_stack(int key) -> ()");
   m.def(
-      "decoder_layers(int key, Tensor hidden, Tensor cos, Tensor sin, Tensor loc, Tensor suffix_index, Tensor q_off, "
+      "decoder_layers(int key, Tensor hidden, Tensor positions, Tensor loc, Tensor suffix_index, Tensor q_off, "
       "Tensor k_off, int prefix_start, int prefix_len, Tensor prefix_index, float scale, Tensor(a!)[] k_bufs, "
-      "Tensor(b!)[] v_bufs) -> (Tensor, Tensor)");
+      "Tensor(b!)[] v_bufs) -> Tensor");
 }
 
 TORCH_LIBRARY_IMPL(srt_lite_cpu, CPU, m) { m.impl("decoder_layers", &decoder_layers); }

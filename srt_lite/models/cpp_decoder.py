@@ -1,4 +1,4 @@
-"""A Llama-family model's decoder layers as one C++ call (srt_lite_cpu::decoder_layers,
+"""A Llama-family model's decoder layers and final norm as one C++ call (srt_lite_cpu::decoder_layers,
 csrc/cpu_decoder.cpp) for the CPU steps whose attention is the C++ token cascade: every
 decode step, and verify steps over a shared prefix; with batch-invariant inference every step,
 whose attention is then the C++ prompt op.
@@ -24,6 +24,7 @@ from srt_lite import envs
 from srt_lite.distributed import get_tp_size
 from srt_lite import cpu_kernels
 from srt_lite.layers.cpu_linear.packable import cpp_row_bounds
+from srt_lite.layers.layernorm import RMSNorm
 
 if TYPE_CHECKING:
     from srt_lite.model_executor.forward_batch import ForwardBatch
@@ -32,12 +33,12 @@ logger = logging.getLogger(__name__)
 
 
 class CppDecoderStack:
-    """The registered C++ copy of a model's layer list (its tensors, not copies of them)."""
+    """The registered C++ copy of a model's layer list and final norm (its tensors, not copies
+    of them)."""
 
     def __init__(self, key: int, layers: nn.ModuleList):
         self.key = key
         attn = layers[0].self_attn
-        self.rotary_emb = attn.rotary_emb
         self.scale = attn.attn.scaling
         self.dtype = layers[0].input_layernorm.weight.dtype
 
@@ -66,9 +67,14 @@ class CppDecoderStack:
                     tensors += [a, b]
                     kinds += [kind, n]
         attn = model.layers[0].self_attn
+        norm, rope = model.norm, attn.rotary_emb
+        # The final norm as RMSNorm.forward computes it for the stack's hidden states (its
+        # C++ op: the weight in their dtype), and RoPE rows from the rotary module's tables.
+        if type(norm) is not RMSNorm or norm.weight.dtype != model.layers[0].input_layernorm.weight.dtype:
+            return None
         key = torch.ops.srt_lite_cpu.register_decoder_stack(
             tensors, kinds, list(bounds), attn.num_heads, attn.num_kv_heads, attn.head_dim,
-            model.layers[0].input_layernorm.eps,
+            model.layers[0].input_layernorm.eps, norm.weight, norm.eps, rope.cos_cache, rope.sin_cache,
         )
         weakref.finalize(model, torch.ops.srt_lite_cpu.release_decoder_stack, key)
         logger.info("Decoder layers of decode steps: one C++ call a step")
@@ -87,16 +93,13 @@ class CppDecoderStack:
             and not torch.compiler.is_compiling()
         )
 
-    def __call__(
-        self, hidden: torch.Tensor, positions: torch.Tensor, fb: "ForwardBatch"
-    ) -> tuple[torch.Tensor, torch.Tensor]:
-        """hidden [T, hidden] (the embedding) -> the last layer's (output, residual)."""
-        cos, sin = self.rotary_emb._cos_sin(positions, hidden.dtype)  # [T, 1, D] each
+    def __call__(self, hidden: torch.Tensor, positions: torch.Tensor, fb: "ForwardBatch") -> torch.Tensor:
+        """hidden [T, hidden] (the embedding) -> the final norm's output [T, hidden]."""
         pool = fb.token_to_kv_pool
         a = fb.attn_backend.decoder_stack_args(fb)
         prefix_index = a.slots[:0] if a.prefix_index is None else a.prefix_index
         return torch.ops.srt_lite_cpu.decoder_layers(
-            self.key, hidden, cos, sin, fb.out_cache_loc, a.slots, a.q_offsets, a.k_offsets, a.prefix_start,
+            self.key, hidden, positions, fb.out_cache_loc, a.slots, a.q_offsets, a.k_offsets, a.prefix_start,
             a.prefix_len, prefix_index, self.scale, pool.k_buffer, pool.v_buffer,
         )
 

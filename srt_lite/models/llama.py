@@ -129,11 +129,10 @@ class LlamaModel(nn.Module):
     def forward(self, input_ids: torch.Tensor, positions: torch.Tensor, fb: ForwardBatch) -> torch.Tensor:
         hidden = self.embed_tokens(input_ids)
         if self.cpp_stack is not None and self.cpp_stack.runs(hidden, fb):
-            hidden, residual = self.cpp_stack(hidden, positions, fb)
-        else:
-            residual = None
-            for layer in self.layers:
-                hidden, residual = layer(positions, hidden, residual, fb)
+            return self.cpp_stack(hidden, positions, fb)  # the final norm's output
+        residual = None
+        for layer in self.layers:
+            hidden, residual = layer(positions, hidden, residual, fb)
         hidden, _ = self.norm(hidden, residual)
         return hidden
 

@@ -185,7 +185,7 @@ def test_models_and_settings_it_does_not_cover_keep_the_python_layers(tmp_path, 
     gc.collect()
     with pytest.raises(RuntimeError, match="no decoder stack"):
         torch.ops.srt_lite_cpu.decoder_layers(
-            key, torch.zeros(1, 64), torch.zeros(1, 1, 16), torch.zeros(1, 1, 16), torch.zeros(1, dtype=torch.long),
+            key, torch.zeros(1, 64), torch.zeros(1, dtype=torch.long), torch.zeros(1, dtype=torch.long),
             torch.zeros(1, dtype=torch.long), torch.tensor([0, 1]), torch.tensor([0, 1]), -1, 0,
             torch.zeros(0, dtype=torch.long), 1.0, [], [],
         )
