@@ -106,7 +106,7 @@ class GGUFWeight:
 
     @property
     def nbytes(self) -> int:
-        """Bytes the products read (a packed part is its blocks plus unpacked scales)."""
+        """Bytes the products read (a packed part holds the file's blocks, rearranged)."""
         return sum(part.numel() for part in self.kernel_parts)
 
     def forward(self, x: torch.Tensor, bias: torch.Tensor | None = None, fp32_out: bool = False) -> torch.Tensor:
