@@ -1,6 +1,6 @@
-// A Llama-family decoder stack's layers (and the model's final norm) in one call, for the CPU steps whose attention is one
-// token cascade (every decode step, verify steps over a shared prefix, and with
-// batch-invariant inference every step: its rows then share no prefix).
+// A Llama-family decoder stack's layers and the model's final norm in one call, for the CPU
+// steps whose attention is one token cascade (every decode step, verify steps over a shared
+// prefix, and with batch-invariant inference every step: its rows then share no prefix).
 //
 // Eager, each layer is a dozen Python calls (modules, views, the attention plan) around the
 // C++ ops that do the work; at a few rows a step those calls cost as much as the arithmetic

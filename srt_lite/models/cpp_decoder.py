@@ -1,7 +1,7 @@
-"""A Llama-family model's decoder layers and final norm as one C++ call (srt_lite_cpu::decoder_layers,
-csrc/cpu_decoder.cpp) for the CPU steps whose attention is the C++ token cascade: every
-decode step, and verify steps over a shared prefix; with batch-invariant inference every step,
-whose attention is then the C++ prompt op.
+"""A Llama-family model's decoder layers and final norm as one C++ call
+(srt_lite_cpu::decoder_layers, csrc/cpu_decoder.cpp) for the CPU steps whose attention is the
+C++ token cascade: every decode step, and verify steps over a shared prefix; with
+batch-invariant inference every step, whose attention is then the C++ prompt op.
 
 Eager, each layer costs a dozen Python calls around the C++ ops that do its work; at a few
 rows a step that Python is a large share of the step. The C++ loop calls the same ops in the
